@@ -1,0 +1,123 @@
+// The op schemas (declared once, here) and their CPU kernels.
+// CUDA kernels attach to the same schemas in cuda/linear_cuda.cu.
+#include "checks.h"
+#include "cpu/gemm.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <string>
+
+namespace ext {
+
+namespace {
+
+// Y = X·Wᵀ + b, optionally followed by ReLU in the same store.
+at::Tensor linear_cpu_impl(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias, bool relu) {
+  const char* op = relu ? "ext.linear_relu" : "ext.linear";
+  check_linear_args(op, input, weight, bias);
+  const int64_t M = input.size(0), K = input.size(1), N = weight.size(0);
+  auto out = at::empty({M, N}, input.options());
+  if (M == 0 || N == 0) return out;
+  const auto bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "ext.linear", [&] {
+    // B = Wᵀ: B[k, n] = W[n, k], so B's row stride is W's column stride.
+    cpu::gemm<scalar_t>(M, N, K, input.const_data_ptr<scalar_t>(), input.stride(0), input.stride(1),
+                        weight.const_data_ptr<scalar_t>(), weight.stride(1), weight.stride(0),
+                        bias_c.defined() ? bias_c.const_data_ptr<scalar_t>() : nullptr, relu,
+                        out.mutable_data_ptr<scalar_t>(), N);
+  });
+  return out;
+}
+
+at::Tensor linear_cpu(const at::Tensor& input, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias) {
+  return linear_cpu_impl(input, weight, bias, /*relu=*/false);
+}
+
+at::Tensor linear_relu_cpu(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  return linear_cpu_impl(input, weight, bias, /*relu=*/true);
+}
+
+// dX (M x K) = dY (M x N) · W (N x K)
+at::Tensor linear_backward_input_cpu(const at::Tensor& grad_output, const at::Tensor& weight) {
+  check_grad_args("ext.linear_backward_input", grad_output, weight, "weight", 1, 0);
+  const int64_t M = grad_output.size(0), N = grad_output.size(1), K = weight.size(1);
+  auto grad_input = at::empty({M, K}, grad_output.options());
+  if (M == 0 || K == 0) return grad_input;
+  AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear_backward_input", [&] {
+    cpu::gemm<scalar_t>(M, K, N, grad_output.const_data_ptr<scalar_t>(), grad_output.stride(0),
+                        grad_output.stride(1), weight.const_data_ptr<scalar_t>(), weight.stride(0),
+                        weight.stride(1), nullptr, false, grad_input.mutable_data_ptr<scalar_t>(), K);
+  });
+  return grad_input;
+}
+
+// dW (N x K) = dYᵀ (N x M) · X (M x K), packed straight from dY's strides.
+at::Tensor linear_backward_weight_cpu(const at::Tensor& grad_output, const at::Tensor& input) {
+  check_grad_args("ext.linear_backward_weight", grad_output, input, "input", 0, 0);
+  const int64_t M = grad_output.size(0), N = grad_output.size(1), K = input.size(1);
+  auto grad_weight = at::empty({N, K}, grad_output.options());
+  if (N == 0 || K == 0) return grad_weight;
+  AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear_backward_weight", [&] {
+    cpu::gemm<scalar_t>(N, K, M, grad_output.const_data_ptr<scalar_t>(), grad_output.stride(1),
+                        grad_output.stride(0), input.const_data_ptr<scalar_t>(), input.stride(0),
+                        input.stride(1), nullptr, false, grad_weight.mutable_data_ptr<scalar_t>(), K);
+  });
+  return grad_weight;
+}
+
+// db (N) = sum of dY over rows.
+at::Tensor linear_backward_bias_cpu(const at::Tensor& grad_output) {
+  TORCH_CHECK(grad_output.dim() == 2, "ext.linear_backward_bias: grad_output must be 2-D, got shape ",
+              grad_output.sizes());
+  check_dtype_for_device("ext.linear_backward_bias", grad_output);
+  const int64_t M = grad_output.size(0), N = grad_output.size(1);
+  auto grad_bias = at::empty({N}, grad_output.options());
+  if (N == 0) return grad_bias;
+  AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear_backward_bias", [&] {
+    cpu::sum_rows<scalar_t>(M, N, grad_output.const_data_ptr<scalar_t>(), grad_output.stride(0),
+                            grad_output.stride(1), grad_bias.mutable_data_ptr<scalar_t>());
+  });
+  return grad_bias;
+}
+
+std::string cpu_path() { return cpu::cpu_path_name(cpu::active_cpu_path()); }
+
+void set_cpu_path(const std::string& name) {
+  if (name == cpu::cpu_path_name(cpu::CpuPath::Portable)) {
+    cpu::set_cpu_path(cpu::CpuPath::Portable);
+  } else if (name == cpu::cpu_path_name(cpu::CpuPath::Avx2Fma)) {
+    TORCH_CHECK(cpu::best_cpu_path() == cpu::CpuPath::Avx2Fma,
+                "ext.set_cpu_path: this CPU has no AVX2+FMA");
+    cpu::set_cpu_path(cpu::CpuPath::Avx2Fma);
+  } else {
+    TORCH_CHECK(false, "ext.set_cpu_path: unknown path '", name, "'; use 'portable' or 'avx2+fma'");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ext, m) {
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_relu(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_backward_input(Tensor grad_output, Tensor weight) -> Tensor");
+  m.def("linear_backward_weight(Tensor grad_output, Tensor input) -> Tensor");
+  m.def("linear_backward_bias(Tensor grad_output) -> Tensor");
+  // CPU code-path selection, for `python -m ext` and the path-agreement tests.
+  m.def("cpu_path() -> str", &cpu_path);
+  m.def("set_cpu_path(str name) -> ()", &set_cpu_path);
+}
+
+TORCH_LIBRARY_IMPL(ext, CPU, m) {
+  m.impl("linear", &linear_cpu);
+  m.impl("linear_relu", &linear_relu_cpu);
+  m.impl("linear_backward_input", &linear_backward_input_cpu);
+  m.impl("linear_backward_weight", &linear_backward_weight_cpu);
+  m.impl("linear_backward_bias", &linear_backward_bias_cpu);
+}
+
+}  // namespace ext
