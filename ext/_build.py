@@ -1,4 +1,5 @@
 """Builds the extension once (JIT, ninja) and loads it. Minimal first version."""
+import fcntl
 import hashlib
 import os
 from pathlib import Path
@@ -7,7 +8,6 @@ import torch
 from torch.utils import cpp_extension
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPU_SOURCES = [CSRC / "ops.cpp", CSRC / "cpu" / "gemm.cpp"]
 CXX_FLAGS = ["-O3", "-std=c++20"]
 
 
@@ -30,16 +30,19 @@ def build_dir() -> Path:
 def load_library() -> Path:
     directory = build_dir()
     library = directory / "linear_lab_ext.so"
-    if not library.exists():
-        directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds, the others wait
+        if library.exists():
+            torch.ops.load_library(str(library))
+            return library
+        sources = [CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
         cpp_extension.load(
             name="linear_lab_ext",
-            sources=[str(s) for s in CPU_SOURCES],
+            sources=[str(s) for s in sources],
             extra_cflags=CXX_FLAGS,
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,
         )
-    else:
-        torch.ops.load_library(str(library))
     return library

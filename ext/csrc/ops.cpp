@@ -110,6 +110,7 @@ TORCH_LIBRARY(ext, m) {
   // CPU code-path selection, for `python -m ext` and the path-agreement tests.
   m.def("cpu_path() -> str", &cpu_path);
   m.def("set_cpu_path(str name) -> ()", &set_cpu_path);
+  m.def("fma_peak_gflops(int num_threads) -> float", &cpu::measure_fma_peak_gflops);
 }
 
 TORCH_LIBRARY_IMPL(ext, CPU, m) {

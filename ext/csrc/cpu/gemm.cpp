@@ -13,7 +13,10 @@ namespace {
 CpuPath g_active_path = CpuPath::Portable;
 }
 
-CpuPath best_cpu_path() { return CpuPath::Portable; }
+CpuPath best_cpu_path() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? CpuPath::Avx2Fma
+                                                                         : CpuPath::Portable;
+}
 CpuPath active_cpu_path() { return g_active_path; }
 void set_cpu_path(CpuPath path) {
   if (path == CpuPath::Avx2Fma && best_cpu_path() != CpuPath::Avx2Fma)

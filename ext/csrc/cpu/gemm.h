@@ -34,4 +34,9 @@ CpuPath active_cpu_path();           // what runs now
 void set_cpu_path(CpuPath path);     // raises if the CPU lacks it
 const char* cpu_path_name(CpuPath path);
 
+// This machine's measured peak of fused multiply-adds, in GFLOP/s (2 flops per
+// lane per FMA), running independent vector FMA chains on num_threads threads.
+// The benchmark reports each kernel as a % of it.
+double measure_fma_peak_gflops(int64_t num_threads);
+
 }  // namespace ext::cpu
