@@ -1,4 +1,18 @@
-"""linear-lab's hand-written linear operator."""
-from ext._build import load_library
+"""linear-lab's hand-written linear operator: our own C++/CUDA GEMM kernels behind
+nn.Linear's interface.
 
-load_library()
+Example:
+    >>> import torch, ext
+    >>> layer = ext.Linear(784, 256)          # drop-in for nn.Linear
+    >>> y = ext.linear(torch.randn(32, 784), layer.weight, layer.bias)
+
+The first import compiles the extension once (see ext/_build.py); later imports load it.
+"""
+from ext._build import BuildError, load_library
+
+build_manifest = load_library()
+
+from ext.modules import Linear, replace_linears  # noqa: E402  (needs the loaded ops)
+from ext.ops import linear, linear_relu  # noqa: E402
+
+__all__ = ["BuildError", "Linear", "build_manifest", "linear", "linear_relu", "replace_linears"]

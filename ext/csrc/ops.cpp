@@ -4,6 +4,7 @@
 #include "cpu/gemm.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -99,6 +100,16 @@ void set_cpu_path(const std::string& name) {
   }
 }
 
+#ifndef LINEAR_LAB_WITH_CUDA
+// A CPU-only build still answers CUDA tensors, with how to get CUDA kernels
+// instead of the dispatcher's generic "could not run with the CUDA backend".
+void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/) {
+  TORCH_CHECK(false, op.schema().name(), ": this build of linear-lab's extension has no CUDA "
+              "kernels (torch saw no GPU when it was built, or LINEAR_LAB_CUDA=0). Rebuild with CUDA: "
+              "LINEAR_LAB_CUDA=1 python -m ext");
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(ext, m) {
@@ -120,5 +131,14 @@ TORCH_LIBRARY_IMPL(ext, CPU, m) {
   m.impl("linear_backward_weight", &linear_backward_weight_cpu);
   m.impl("linear_backward_bias", &linear_backward_bias_cpu);
 }
+
+#ifndef LINEAR_LAB_WITH_CUDA
+TORCH_LIBRARY_IMPL(ext, CUDA, m) {
+  for (const char* name : {"linear", "linear_relu", "linear_backward_input", "linear_backward_weight",
+                           "linear_backward_bias"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  }
+}
+#endif
 
 }  // namespace ext
