@@ -200,6 +200,7 @@ def _build(config: BuildConfig, directory: Path) -> dict:
         "torch": torch.__version__,
         "compiler": _compiler_version(),
         "cxx_flags": list(config.cxx_flags),
+        "kernels": config.describe(),
         "cuda": {"enabled": config.with_cuda, "archs": config.cuda_archs,
                  "flags": list(config.cuda_flags)},
         "sources": [str(Path(s).relative_to(CSRC)) for s in config.sources],

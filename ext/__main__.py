@@ -1,0 +1,31 @@
+"""`python -m ext`: build the extension ahead of time (if needed) and say what was built.
+
+Example:
+    $ LINEAR_LAB_CUDA=1 python -m ext     # build with CUDA kernels for a GPU machine
+"""
+import torch
+
+import ext
+
+
+def describe_build(manifest: dict) -> str:
+    """The build's facts, one per line: versions, CPU path, CUDA kernels, location."""
+    kernels = manifest["kernels"]
+    if not manifest["cuda"]["enabled"]:
+        kernels += " (no CUDA kernels; LINEAR_LAB_CUDA=1 python -m ext builds them in)"
+    rows = [
+        ("torch", manifest["torch"]),
+        ("compiler", manifest["compiler"]),
+        ("C++ flags", " ".join(manifest["cxx_flags"])),
+        ("CPU code path", torch.ops.ext.cpu_path()),
+        ("CPU threads", str(torch.get_num_threads())),
+        ("kernels", kernels),
+        ("built at", manifest["built_at"]),
+        ("build dir", manifest["build_dir"]),
+    ]
+    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+
+
+if __name__ == "__main__":
+    print("linear-lab extension")
+    print(describe_build(ext.build_manifest))

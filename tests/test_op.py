@@ -1,0 +1,333 @@
+"""ext.linear and the torch.ops.ext ops against PyTorch: values, every gradient, the
+F.linear contract, registrations (opcheck), errors and determinism."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ext
+
+# Sizes around every tile/block edge the CPU kernels may use (MR=6, NR=16, MC=72/144,
+# KC=256/384, powers of two), plus 1 and primes.
+EDGE_SIZES = [1, 2, 3, 5, 6, 7, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 71, 72, 73,
+              127, 128, 129, 143, 144, 145, 255, 256, 257]
+K_SIZES = EDGE_SIZES + [383, 384, 385]
+LARGE_K = 3001  # prime, crosses several KC blocks
+
+
+def tolerance(dtype, reduction_len):
+    """Error bound for a dot product of reduction_len terms of unit-scale values."""
+    eps = torch.finfo(dtype).eps
+    return 8 * eps * max(reduction_len, 1)
+
+
+def assert_close_to(ours, reference, reduction_len):
+    """ours against a float64 reference, with a tolerance that grows with the sum's length."""
+    tol = tolerance(ours.dtype, reduction_len)
+    torch.testing.assert_close(ours.double(), reference.double(), rtol=tol, atol=tol)
+
+
+def make_operands(M, N, K, dtype, bias=True, transposed_input=False, transposed_weight=False,
+                  seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    input = torch.randn(K, M, dtype=dtype, generator=generator).t() if transposed_input else \
+        torch.randn(M, K, dtype=dtype, generator=generator)
+    weight = torch.randn(K, N, dtype=dtype, generator=generator).t() if transposed_weight else \
+        torch.randn(N, K, dtype=dtype, generator=generator)
+    b = torch.randn(N, dtype=dtype, generator=generator) if bias else None
+    return input, weight, b
+
+
+def forward_and_grads(fn, input, weight, bias, grad_output):
+    """fn's output and the gradients of (output * grad_output).sum() w.r.t. every operand."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in (input, weight, bias)]
+    output = fn(*leaves)
+    output.backward(grad_output)
+    return output.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+def check_against_torch(fn, reference_fn, input, weight, bias):
+    """Forward and every gradient of fn against reference_fn computed in float64."""
+    M, K = input.shape[0] if input.dim() > 1 else 1, input.shape[-1]
+    N = weight.shape[0]
+    grad_output = torch.randn(fn(input, weight, bias).shape, dtype=input.dtype)
+    ours, our_grads = forward_and_grads(fn, input, weight, bias, grad_output)
+    as64 = [t.double() if t is not None else None for t in (input, weight, bias)]
+    expected, expected_grads = forward_and_grads(reference_fn, *as64, grad_output.double())
+    assert ours.dtype == input.dtype and ours.shape == expected.shape
+    assert_close_to(ours, expected, K)
+    for got, want, reduction_len in zip(our_grads, expected_grads, (N, M, M)):
+        if want is not None:
+            assert got is not None and got.shape == want.shape
+            assert_close_to(got, want, reduction_len)
+
+
+def torch_linear_relu(input, weight, bias):
+    return torch.relu(F.linear(input, weight, bias))
+
+
+# ---- property tests: random shapes around the tile edges, both dtypes, every layout ----
+
+@given(M=st.sampled_from(EDGE_SIZES), N=st.sampled_from(EDGE_SIZES), K=st.sampled_from(K_SIZES),
+       dtype=st.sampled_from([torch.float32, torch.float64]), bias=st.booleans(),
+       transposed_input=st.booleans(), transposed_weight=st.booleans(), relu=st.booleans())
+def test_matches_torch_on_random_shapes(M, N, K, dtype, bias, transposed_input, transposed_weight,
+                                        relu):
+    operands = make_operands(M, N, K, dtype, bias, transposed_input, transposed_weight)
+    if relu:
+        check_against_torch(ext.linear_relu, torch_linear_relu, *operands)
+    else:
+        check_against_torch(ext.linear, F.linear, *operands)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("M,N", [(1, 1), (7, 17), (65, 33)])
+def test_matches_torch_with_large_k(M, N, dtype):
+    check_against_torch(ext.linear, F.linear, *make_operands(M, N, LARGE_K, dtype))
+
+
+# ---- the F.linear contract: every input shape F.linear accepts ----
+
+CONTRACT_CASES = {
+    "1-D input": ((7,), (5, 7), True),
+    "1-D input, no bias": ((7,), (5, 7), False),
+    "3-D input": ((2, 3, 7), (5, 7), True),
+    "4-D input": ((2, 1, 3, 7), (5, 7), True),
+    "empty batch": ((0, 7), (5, 7), True),
+    "empty leading dim": ((2, 0, 7), (5, 7), True),
+    "zero in-features": ((4, 0), (5, 0), True),
+    "zero in-features, 3-D": ((2, 3, 0), (5, 0), False),
+    "zero out-features": ((4, 7), (0, 7), True),
+    "1-D weight": ((3, 7), (7,), False),
+    "1-D input and weight": ((7,), (7,), False),
+}
+
+
+@pytest.mark.parametrize("case", CONTRACT_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_f_linear_contract(case, dtype):
+    input_shape, weight_shape, has_bias = CONTRACT_CASES[case]
+    input = torch.randn(input_shape, dtype=dtype)
+    weight = torch.randn(weight_shape, dtype=dtype)
+    bias = torch.randn(weight_shape[0], dtype=dtype) if has_bias else None
+    check_against_torch(ext.linear, F.linear, input, weight, bias)
+
+
+def test_scalar_bias_broadcasts_like_f_linear():
+    input, weight = torch.randn(4, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    check_against_torch(ext.linear, F.linear, input, weight, torch.tensor(0.5, dtype=torch.float64))
+
+
+def test_non_contiguous_views():
+    input = torch.randn(2, 9, 20, dtype=torch.float64)[:, ::2, 1:15:2]  # (2, 5, 7), strided
+    weight = torch.randn(7, 12, dtype=torch.float64)[:, ::2].t()  # (6, 7), transposed and strided
+    bias = torch.randn(12, dtype=torch.float64)[::2]
+    assert not (input.is_contiguous() or weight.is_contiguous() or bias.is_contiguous())
+    check_against_torch(ext.linear, F.linear, input, weight, bias)
+
+
+# ---- autograd ----
+
+@pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (3, 5, 7), (17, 6, 16), (2, 3, 0)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck(fn, M, N, K, bias):
+    input, weight, b = make_operands(M, N, K, torch.float64, bias)
+    operands = [t.requires_grad_() for t in (input, weight, b) if t is not None]
+    assert torch.autograd.gradcheck(lambda *args: fn(*args), operands)
+
+
+def test_gradcheck_n_d_input():
+    input = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(ext.linear, (input, weight, None))
+
+
+class OpLog(TorchDispatchMode):
+    """Records the name of every op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("wanted,expected_ops", [
+    ("input", {"ext.linear_backward_input"}),
+    ("weight", {"ext.linear_backward_weight"}),
+    ("bias", {"ext.linear_backward_bias"}),
+    ("all", {"ext.linear_backward_input", "ext.linear_backward_weight", "ext.linear_backward_bias"}),
+])
+def test_backward_computes_only_needed_grads(fn, wanted, expected_ops):
+    input, weight, bias = make_operands(4, 3, 5, torch.float32)
+    for name, tensor in zip(("input", "weight", "bias"), (input, weight, bias)):
+        tensor.requires_grad_(wanted in (name, "all"))
+    output = fn(input, weight, bias)
+    with OpLog() as log:
+        output.sum().backward()
+    assert {op for op in log.ops if op.startswith("ext.")} == expected_ops
+
+
+def test_relu_gradient_is_zero_where_output_is_not_positive():
+    # Rows chosen so that pre-activations are exactly 0, negative and positive.
+    input = torch.tensor([[1.0, -1.0], [2.0, 1.0], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    weight = torch.tensor([[1.0, 1.0]], dtype=torch.float64, requires_grad=True)
+    output, grads = forward_and_grads(ext.linear_relu, input, weight, None, torch.ones(3, 1, dtype=torch.float64))
+    expected, expected_grads = forward_and_grads(torch_linear_relu, input, weight, None, torch.ones(3, 1, dtype=torch.float64))
+    assert torch.equal(output, expected)
+    for got, want in zip(grads[:2], expected_grads[:2]):
+        assert torch.equal(got, want)
+
+
+# ---- registrations ----
+
+OPCHECK_SHAPES = [(1, 1, 1), (5, 7, 3), (17, 16, 33)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("M,N,K", OPCHECK_SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_opcheck(dtype, M, N, K, layout):
+    transposed = layout == "transposed"
+    input, weight, bias = make_operands(M, N, K, dtype, True, transposed, transposed)
+    grad_output = torch.randn(N, M, dtype=dtype).t() if transposed else torch.randn(M, N, dtype=dtype)
+    input.requires_grad_()
+    weight.requires_grad_()
+    calls = [
+        (torch.ops.ext.linear.default, (input, weight, bias)),
+        (torch.ops.ext.linear.default, (input, weight, None)),
+        (torch.ops.ext.linear_relu.default, (input, weight, bias)),
+        (torch.ops.ext.linear_backward_input.default, (grad_output, weight.detach())),
+        (torch.ops.ext.linear_backward_weight.default, (grad_output, input.detach())),
+        (torch.ops.ext.linear_backward_bias.default, (grad_output,)),
+    ]
+    for op, args in calls:
+        torch.library.opcheck(op, args)
+
+
+def test_backward_ops_match_their_definitions():
+    grad_output, weight, input = (torch.randn(*shape, dtype=torch.float64) for shape in [(5, 3), (3, 7), (5, 7)])
+    torch.testing.assert_close(torch.ops.ext.linear_backward_input(grad_output, weight), grad_output @ weight)
+    torch.testing.assert_close(torch.ops.ext.linear_backward_weight(grad_output, input), grad_output.t() @ input)
+    torch.testing.assert_close(torch.ops.ext.linear_backward_bias(grad_output), grad_output.sum(0))
+
+
+# ---- determinism ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bit_identical_across_runs_and_thread_counts(dtype):
+    input, weight, bias = make_operands(129, 65, 385, dtype)
+    grad_output = torch.randn(129, 65, dtype=dtype)
+    first = forward_and_grads(ext.linear, input, weight, bias, grad_output)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (threads, 1):
+            torch.set_num_threads(num_threads)
+            again = forward_and_grads(ext.linear, input, weight, bias, grad_output)
+            assert torch.equal(again[0], first[0])
+            assert all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- errors: one clear message per mistake ----
+
+def _floats(*shapes, dtype=torch.float32):
+    return [torch.randn(shape, dtype=dtype) for shape in shapes]
+
+
+ERROR_CASES = {
+    "int dtype": (lambda: ext.linear(torch.ones(2, 3, dtype=torch.int32), torch.ones(4, 3, dtype=torch.int32)),
+                  RuntimeError, "dtype Int is not supported on the CPU; use float32 or float64"),
+    "half on CPU": (lambda: ext.linear(*_floats((2, 3), (4, 3), dtype=torch.float16)),
+                    RuntimeError, "dtype Half is not supported on the CPU"),
+    "mixed dtypes": (lambda: ext.linear(torch.randn(2, 3), torch.randn(4, 3, dtype=torch.float64)),
+                     RuntimeError, "input is Float but weight is Double; cast both to the same dtype"),
+    "bias dtype": (lambda: ext.linear(*_floats((2, 3), (4, 3)), torch.randn(4, dtype=torch.float64)),
+                   RuntimeError, "bias is Double but weight is Float"),
+    "feature mismatch": (lambda: ext.linear(*_floats((2, 3), (4, 5))),
+                         RuntimeError, "input has 3 features but weight expects 5"),
+    "feature mismatch, 3-D": (lambda: ext.linear(*_floats((6, 2, 3), (4, 5))),
+                              RuntimeError, "input has 3 features but weight expects 5"),
+    "bias shape": (lambda: ext.linear(*_floats((2, 3), (4, 3), (5,))),
+                   RuntimeError, "bias must have shape [4] to match weight, got [5]"),
+    "3-D weight": (lambda: ext.linear(*_floats((2, 3), (4, 3, 1))),
+                   ValueError, "weight must be 2-D (out_features x in_features) or 1-D"),
+    "0-D input": (lambda: ext.linear(torch.tensor(1.0), torch.randn(4, 1)),
+                  ValueError, "input and weight must be at least 1-D"),
+    "op given 3-D input": (lambda: torch.ops.ext.linear(*_floats((2, 2, 3), (4, 3)), None),
+                           RuntimeError, "input must be 2-D (batch x in_features), got shape [2, 2, 3]"),
+    "backward_input shapes": (lambda: torch.ops.ext.linear_backward_input(*_floats((2, 4), (5, 3))),
+                              RuntimeError, "grad_output shape [2, 4] does not match weight shape [5, 3]"),
+    "backward_weight shapes": (lambda: torch.ops.ext.linear_backward_weight(*_floats((2, 4), (3, 3))),
+                               RuntimeError, "grad_output shape [2, 4] does not match input shape [3, 3]"),
+    "backward_bias 1-D": (lambda: torch.ops.ext.linear_backward_bias(torch.randn(4)),
+                          RuntimeError, "grad_output must be 2-D"),
+    "unknown cpu path": (lambda: torch.ops.ext.set_cpu_path("sse9"),
+                         RuntimeError, "unknown path 'sse9'; use 'portable' or 'avx2+fma'"),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_bad_input_raises_clear_error(case):
+    call, error_type, message = ERROR_CASES[case]
+    with pytest.raises(error_type) as info:
+        call()
+    assert message in str(info.value)
+    assert len(str(info.value).splitlines()) <= 2  # one clear message, not a C++ backtrace
+
+
+@pytest.mark.skipif(ext.build_manifest["cuda"]["enabled"], reason="this build has CUDA kernels")
+@pytest.mark.parametrize("op", ["linear", "linear_relu", "linear_backward_input", "linear_backward_weight",
+                                "linear_backward_bias"])
+def test_cuda_tensor_on_cpu_only_build_says_how_to_rebuild(op):
+    # Reach the CUDA kernel without a GPU: redispatch CPU tensors to the CUDA key.
+    cuda_only = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    packet = getattr(torch.ops.ext, op)
+    args = {"linear": (*_floats((2, 3), (4, 3)), None), "linear_relu": (*_floats((2, 3), (4, 3)), None),
+            "linear_backward_input": _floats((2, 4), (4, 3)), "linear_backward_weight": _floats((2, 4), (2, 3)),
+            "linear_backward_bias": _floats((2, 4))}[op]
+    with pytest.raises(RuntimeError, match="no CUDA kernels.*LINEAR_LAB_CUDA=1 python -m ext"):
+        packet.default.redispatch(cuda_only, *args)
+
+
+# ---- CUDA (needs a GPU) ----
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (17, 33, 65), (129, 257, 3001)])
+def test_cuda_matches_torch(dtype, M, N, K):
+    input, weight, bias = (t.cuda() for t in make_operands(M, N, K, dtype, transposed_weight=True))
+    check_against_torch(ext.linear, F.linear, input, weight, bias)
+    check_against_torch(ext.linear_relu, torch_linear_relu, input, weight, bias)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_half_precision_accumulates_in_float32(dtype):
+    input, weight, bias = make_operands(64, 48, 1024, torch.float32)
+    ours = ext.linear(input.cuda().to(dtype), weight.cuda().to(dtype), bias.cuda().to(dtype))
+    reference = F.linear(*(t.cuda().to(dtype).float() for t in (input, weight, bias)))
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@requires_gpu
+def test_cuda_device_mismatch_error():
+    with pytest.raises(RuntimeError, match="input is on cuda:0 but weight is on cpu"):
+        ext.linear(torch.randn(2, 3, device="cuda"), torch.randn(4, 3))
+
+
+@requires_gpu
+def test_cuda_opcheck():
+    input, weight, bias = (t.cuda() for t in make_operands(5, 7, 3, torch.float32))
+    torch.library.opcheck(torch.ops.ext.linear.default, (input.requires_grad_(), weight, bias))
