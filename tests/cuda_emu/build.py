@@ -1,0 +1,64 @@
+"""Builds the CUDA-emulation test driver (driver.cpp + the real kernel headers) with g++,
+once per variant, cached by a hash of the sources and flags.
+
+Variants: "plain", ThreadSanitizer "tsan", AddressSanitizer "asan", and the deliberately
+broken kernels ("break_sync" under TSan, "break_bounds" under ASan, "break_barrier"),
+made by the EMU_BREAK_* switches in ext/csrc/cuda/gemm.cuh.
+
+Example:
+    $ python tests/cuda_emu/build.py tsan      # prints the path of the built driver
+"""
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EMU_DIR = Path(__file__).resolve().parent
+KERNEL_DIR = EMU_DIR.parents[1] / "ext" / "csrc" / "cuda"
+
+_COMMON_FLAGS = ["-std=c++20", "-pthread", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]
+_TSAN = ["-O1", "-fsanitize=thread"]
+_ASAN = ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+VARIANT_FLAGS = {
+    "plain": ["-O2"],
+    "tsan": _TSAN,
+    "asan": _ASAN,
+    "break_sync": [*_TSAN, "-DEMU_BREAK_SYNC"],
+    "break_bounds": [*_ASAN, "-DEMU_BREAK_BOUNDS"],
+    "break_barrier": ["-O2", "-DEMU_BREAK_BARRIER"],
+}
+
+
+def build_root() -> Path:
+    root = os.environ.get("LINEAR_LAB_BUILD_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "linear_lab") / "emu"
+
+
+def _sources() -> list[Path]:
+    return sorted([*EMU_DIR.glob("*.h"), *EMU_DIR.glob("*.cpp"), *KERNEL_DIR.glob("*.cuh")])
+
+
+def driver_path(variant: str) -> Path:
+    """The driver binary for `variant`, compiled now unless a build of the same sources exists."""
+    flags = [*_COMMON_FLAGS, *VARIANT_FLAGS[variant]]
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for source in _sources():
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    binary = build_root() / f"driver-{variant}-{digest.hexdigest()[:16]}"
+    if binary.exists():
+        return binary
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
+    command = ["g++", *flags, f"-I{EMU_DIR}", f"-I{KERNEL_DIR}", str(EMU_DIR / "driver.cpp"), "-o", str(partial)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"building the emulation driver ({variant}) failed:\n{' '.join(command)}\n{result.stderr}")
+    os.replace(partial, binary)  # atomic: a concurrent build never sees half a binary
+    return binary
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["plain"]:
+        print(driver_path(name))

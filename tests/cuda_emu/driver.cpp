@@ -1,0 +1,170 @@
+// Runs the real CUDA kernels (ext/csrc/cuda/*.cuh) on the CPU through cuda_emu.h.
+// Driven by tests/test_cuda_emulation.py, which writes the operands as raw files,
+// runs this program, and compares its output file with PyTorch.
+//
+//   driver OP DTYPE OUT_FILE OPERAND...
+//   OPERAND = FILE,OFFSET,ROWS,COLS,ROW_STRIDE,COL_STRIDE   (elements; the matrix
+//             starts OFFSET elements into FILE, so OFFSET 1 gives a misaligned pointer)
+//
+//   OP (operands)                          output
+//   linear X W [BIAS]   linear_relu ...    Y  = X·Wᵀ + b   (M x N)
+//   backward_input DY W                    dX = dY·W       (M x K)
+//   backward_weight DY X                   dW = dYᵀ·X      (N x K)
+//   backward_bias DY                       db = rows of dY summed (N)
+//   to_dtype SRC                           SRC (float32) rounded to DTYPE (float16 or bfloat16)
+//   to_float SRC                           SRC (DTYPE) widened to float32
+//
+// BIAS is an N x 1 operand. GEMM ops print which operands took the wide-load path.
+#include "cuda_emu.h"
+
+#include "gemm.cuh"
+#include "sum_rows.cuh"
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <stdexcept>
+#include <string_view>
+
+namespace {
+
+using ext::cuda::StridedMatrix;
+
+[[noreturn]] void fail(const std::string& message) {
+  std::fprintf(stderr, "driver: %s\n", message.c_str());
+  std::exit(2);
+}
+
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) fail("cannot read " + path);
+  return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+}
+
+template <typename T>
+void write_elements(const std::string& path, const std::vector<T>& data) {
+  std::ofstream file(path, std::ios::binary);
+  file.write(reinterpret_cast<const char*>(data.data()), std::streamsize(data.size() * sizeof(T)));
+  if (!file) fail("cannot write " + path);
+}
+
+// An operand's storage, sized exactly to its file so AddressSanitizer sees any read past the end.
+template <typename T>
+struct Operand {
+  std::vector<T> storage;
+  StridedMatrix<T> view;
+};
+
+template <typename T>
+Operand<T> parse_operand(const std::string& spec) {
+  std::istringstream fields(spec);
+  std::string path;
+  std::getline(fields, path, ',');
+  int64_t numbers[5];
+  for (int64_t& number : numbers) {
+    std::string field;
+    if (!std::getline(fields, field, ',')) fail("operand needs FILE,OFFSET,ROWS,COLS,ROW_STRIDE,COL_STRIDE: " + spec);
+    number = std::stoll(field);
+  }
+  const std::vector<char> bytes = read_bytes(path);
+  Operand<T> operand;
+  operand.storage.resize(bytes.size() / sizeof(T));
+  std::memcpy(operand.storage.data(), bytes.data(), operand.storage.size() * sizeof(T));
+  operand.view = {operand.storage.data() + numbers[0], numbers[1], numbers[2], numbers[3], numbers[4]};
+  return operand;
+}
+
+template <typename T>
+void run_gemm(const ext::cuda::GemmParams<T>& params) {
+  std::printf("wide_loads a=%d b=%d\n", int(params.a.wide_loads), int(params.b.wide_loads));
+  emu::launch(ext::cuda::gemm_grid(params), dim3(ext::cuda::kThreads), ext::cuda::gemm_kernel<T>, params);
+}
+
+template <typename T>
+void run_op(std::string_view op, const std::string& out_path, const std::vector<std::string>& specs) {
+  std::vector<Operand<T>> operands;
+  for (const std::string& spec : specs) operands.push_back(parse_operand<T>(spec));
+  const auto expect_operands = [&](size_t low, size_t high) {
+    if (operands.size() < low || operands.size() > high) fail("wrong number of operands for " + std::string(op));
+  };
+  std::vector<T> out;
+  if (op == "linear" || op == "linear_relu") {
+    expect_operands(2, 3);
+    const StridedMatrix<T>& x = operands[0].view;
+    const StridedMatrix<T>& w = operands[1].view;
+    const T* bias = operands.size() == 3 ? operands[2].view.ptr : nullptr;
+    out.resize(size_t(x.rows * w.rows));
+    run_gemm(ext::cuda::linear_params(x, w, bias, op == "linear_relu", out.data()));
+  } else if (op == "backward_input") {
+    expect_operands(2, 2);
+    out.resize(size_t(operands[0].view.rows * operands[1].view.cols));
+    run_gemm(ext::cuda::backward_input_params(operands[0].view, operands[1].view, out.data()));
+  } else if (op == "backward_weight") {
+    expect_operands(2, 2);
+    out.resize(size_t(operands[0].view.cols * operands[1].view.cols));
+    run_gemm(ext::cuda::backward_weight_params(operands[0].view, operands[1].view, out.data()));
+  } else if (op == "backward_bias") {
+    expect_operands(1, 1);
+    out.resize(size_t(operands[0].view.cols));
+    const ext::cuda::SumRowsParams<T> params{operands[0].view, out.data()};
+    emu::launch(ext::cuda::sum_rows_grid(params), dim3(ext::cuda::kThreads), ext::cuda::sum_rows_kernel<T>,
+                params);
+  } else {
+    fail("unknown op " + std::string(op));
+  }
+  write_elements(out_path, out);
+}
+
+// The emulated 16-bit conversions, checked against PyTorch's by the tests.
+template <typename T, typename Narrow, typename Widen>
+void run_conversion(std::string_view op, const std::string& out_path, const std::string& in_path,
+                    Narrow narrow, Widen widen) {
+  const std::vector<char> bytes = read_bytes(in_path);
+  if (op == "to_dtype") {
+    std::vector<float> values(bytes.size() / sizeof(float));
+    std::memcpy(values.data(), bytes.data(), values.size() * sizeof(float));
+    std::vector<T> out;
+    for (float value : values) out.push_back(narrow(value));
+    write_elements(out_path, out);
+  } else {
+    std::vector<T> values(bytes.size() / sizeof(T));
+    std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+    std::vector<float> out;
+    for (T value : values) out.push_back(widen(value));
+    write_elements(out_path, out);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) fail("usage: driver OP DTYPE OUT_FILE OPERAND... (see driver.cpp)");
+  const std::string_view op = argv[1];
+  const std::string_view dtype = argv[2];
+  const std::string out_path = argv[3];
+  const std::vector<std::string> specs(argv + 4, argv + argc);
+  if (op == "to_dtype" || op == "to_float") {
+    if (specs.size() != 1) fail("conversions take one input file");
+    if (dtype == "float16") {
+      run_conversion<__half>(op, out_path, specs[0], __float2half_rn, __half2float);
+    } else if (dtype == "bfloat16") {
+      run_conversion<__nv_bfloat16>(op, out_path, specs[0], __float2bfloat16_rn, __bfloat162float);
+    } else {
+      fail("conversions are for float16 and bfloat16");
+    }
+    return 0;
+  }
+  if (dtype == "float32") {
+    run_op<float>(op, out_path, specs);
+  } else if (dtype == "float64") {
+    run_op<double>(op, out_path, specs);
+  } else if (dtype == "float16") {
+    run_op<__half>(op, out_path, specs);
+  } else if (dtype == "bfloat16") {
+    run_op<__nv_bfloat16>(op, out_path, specs);
+  } else {
+    fail("unknown dtype " + std::string(dtype));
+  }
+  return 0;
+}
