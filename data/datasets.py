@@ -1,0 +1,143 @@
+"""Every dataset here fits in memory: it is read once into (N, C, H, W) tensors and normalised with the
+per-channel mean and std of its training split. The official test split serves as validation set, except
+for digits, which has none and is split with a fixed seed.
+"""
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision
+from sklearn.datasets import load_digits
+from torchvision.transforms import PILToTensor
+
+DATASET_NAMES = ("digits", "mnist", "fashion_mnist", "cifar10", "fake")
+DIGITS_MAX_VALUE = 16  # load_digits' pixels are counts of set bits in 4x4 blocks: 0..16
+
+
+class DataError(Exception):
+    """A dataset that cannot be loaded; the message says where the files belong and how to get them."""
+
+
+@dataclass
+class ImageData:
+    train_images: torch.Tensor  # float32 (N, C, H, W), normalised
+    train_labels: torch.Tensor  # int64 (N,)
+    val_images: torch.Tensor
+    val_labels: torch.Tensor
+    num_classes: int
+
+    @property
+    def image_shape(self):
+        """(channels, height, width)."""
+        return tuple(self.train_images.shape[1:])
+
+
+def load_data(name, root, download=False, **options):
+    """Load a dataset by name into memory; `options` are the dataset's own settings (see conf/data/).
+
+    Example:
+        >>> data = load_data("digits", root="~/.cache/linear_lab/datasets")
+        >>> data.train_images.shape, data.num_classes
+        (torch.Size([1438, 1, 8, 8]), 10)
+    """
+    root = Path(root).expanduser()
+    readers = {
+        "digits": read_digits,
+        "mnist": lambda **kw: read_mnist(torchvision.datasets.MNIST, **kw),
+        "fashion_mnist": lambda **kw: read_mnist(torchvision.datasets.FashionMNIST, **kw),
+        "cifar10": read_cifar10,
+        "fake": read_fake,
+    }
+    if name not in readers:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
+    train_images, train_labels, val_images, val_labels, num_classes = readers[name](
+        root=root, download=download, **options
+    )
+    mean = train_images.mean(dim=(0, 2, 3), keepdim=True)
+    std = train_images.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)  # a constant channel stays finite
+    return ImageData(
+        train_images=(train_images - mean) / std,
+        train_labels=train_labels,
+        val_images=(val_images - mean) / std,
+        val_labels=val_labels,
+        num_classes=num_classes,
+    )
+
+
+def read_digits(root, download, val_fraction=0.2, split_seed=0):
+    """scikit-learn's 1,797 8x8 handwritten digits (bundled with it, no network), split train/val."""
+    digits = load_digits()
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / DIGITS_MAX_VALUE
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    # its own generator: the split stays the same whatever the run's seed
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
+    num_val = round(len(labels) * val_fraction)
+    val, train = order[:num_val], order[num_val:]
+    return images[train], labels[train], images[val], labels[val], 10
+
+
+def read_mnist(dataset_class, root, download):
+    """MNIST or Fashion-MNIST from the IDX files in <root>/<MNIST|FashionMNIST>/raw/."""
+    folder = root / dataset_class.__name__ / "raw"
+    file_names = [Path(url).name.removesuffix(".gz") for url, _ in dataset_class.resources]
+    ensure_files(folder, file_names, download, lambda: dataset_class(root, train=True, download=True))
+    splits = [dataset_class(root, train=train) for train in (True, False)]
+    images = [split.data.unsqueeze(1).float() / 255 for split in splits]
+    return images[0], splits[0].targets, images[1], splits[1].targets, len(splits[0].classes)
+
+
+def read_cifar10(root, download):
+    """CIFAR-10 from its python-pickle batches in <root>/cifar-10-batches-py/.
+
+    The batches are read here rather than through torchvision's CIFAR10, which refuses any file whose
+    checksum differs from the official one (and so any smaller set in the same format).
+    """
+    folder = root / torchvision.datasets.CIFAR10.base_folder
+    train_files = [name for name, _ in torchvision.datasets.CIFAR10.train_list]
+    val_files = [name for name, _ in torchvision.datasets.CIFAR10.test_list]
+    ensure_files(
+        folder, train_files + val_files, download, lambda: torchvision.datasets.CIFAR10(root, download=True)
+    )
+
+    def read_batches(names):
+        batches = []
+        for name in names:
+            with open(folder / name, "rb") as file:
+                batches.append(pickle.load(file, encoding="latin1"))
+        images = np.concatenate([batch["data"] for batch in batches]).reshape(-1, 3, 32, 32)
+        labels = np.concatenate([batch["labels"] for batch in batches])
+        return torch.from_numpy(images).float() / 255, torch.from_numpy(labels).long()
+
+    return *read_batches(train_files), *read_batches(val_files), 10
+
+
+def read_fake(root, download, train_size=1024, val_size=256, image_size=(3, 32, 32), num_classes=10):
+    """torchvision's FakeData: random images of any (channels, height, width) with random labels."""
+
+    def read(size, random_offset):
+        dataset = torchvision.datasets.FakeData(
+            size, tuple(image_size), num_classes, transform=PILToTensor(), random_offset=random_offset
+        )
+        images, labels = zip(*(dataset[index] for index in range(size)))
+        return torch.stack(images).float() / 255, torch.tensor(labels)
+
+    # the offset gives validation images their own seeds, distinct from the training images'
+    return *read(train_size, random_offset=0), *read(val_size, random_offset=train_size), num_classes
+
+
+def ensure_files(folder, file_names, download, fetch):
+    """Fetch missing files when download is on; otherwise fail with one line naming the folder."""
+    missing = [name for name in file_names if not (folder / name).is_file()]
+    if missing and download:
+        try:
+            fetch()
+        except Exception as error:  # network errors come in many types; all end the run the same way
+            raise DataError(f"download into {folder} failed ({error}); without internet, copy the files there") from error
+        missing = [name for name in file_names if not (folder / name).is_file()]
+    if missing:
+        raise DataError(
+            f"dataset files missing in {folder}: {', '.join(missing)}; "
+            "run with data.download=true (needs internet) or copy them there (data.root sets the folder)"
+        )

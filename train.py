@@ -1,0 +1,418 @@
+"""Train a network on an image dataset with PyTorch's nn.Linear or our own ext.Linear; log to TensorBoard.
+
+    python train.py                                   # MLP on the bundled digits, linear=custom (offline)
+    python train.py model=mlp linear=torch            # the same run on nn.Linear
+    python train.py model=resnet18 data=cifar10 optim=sgd trainer.epochs=30
+    python train.py -m linear=torch,custom            # both, side by side in `tensorboard --logdir outputs`
+
+Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard events and last.pt.
+"""
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch.nn import functional as F
+from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
+from tqdm import tqdm
+
+import data
+import ext  # builds (or loads the cached) operator now, once, before Hydra launches any job
+import models
+
+log = logging.getLogger("train")
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONFIG_GROUPS = ("model", "linear", "data", "optim", "sched")
+EPOCH_TAGS = (
+    "train/loss",
+    "train/acc",
+    "val/loss",
+    "val/acc",
+    "time/epoch_s",
+    "throughput/train_samples_per_s",
+    "lr",
+)
+SMALL_INPUT_MAX_PX = 64  # ResNets keep full resolution (3x3 stride-1 stem, no max-pool) up to this size
+PROGRESS_EVERY_STEPS = 20  # the progress bar reads the loss (a device sync) only this often
+
+
+# --- configuration -----------------------------------------------------------------------------------
+
+
+class ConfigError(Exception):
+    """A setting that cannot work; the message names it and what it should be."""
+
+
+def run_time():
+    """Start time with milliseconds, so that runs started in the same second get their own folders."""
+    return datetime.now().strftime("%H-%M-%S.%f")[:-3]
+
+
+def run_name(*parts):
+    """Folder name from model, linear, data and the other overrides: mlp-custom-digits_optim.lr=0.01."""
+    names, overrides = parts[:-1], parts[-1]
+    return "_".join(filter(None, ["-".join(names), overrides.replace("/", "-")]))
+
+
+# cached like Hydra's own `now`, so a sweep's jobs all resolve the same time
+OmegaConf.register_new_resolver("run_time", run_time, use_cache=True, replace=True)
+OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+
+
+def check_group_choices(argv):
+    """Exit with one line for an unknown option of a config group (model=resnet19).
+
+    Runs before Hydra, whose own report of this mistake takes a dozen lines.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([arg for arg in argv if not arg.startswith("-")])
+    except Exception:  # malformed overrides: Hydra reports those itself
+        return
+    for override in overrides:
+        group = override.key_or_group
+        if group not in CONFIG_GROUPS or override.is_delete():
+            continue
+        if override.is_choice_sweep():
+            chosen = list(override.sweep_string_iterator())
+        elif override.is_sweep_override():  # globs and ranges need Hydra's config loader
+            continue
+        else:
+            chosen = [override.get_value_element_as_str()]
+        options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+        for choice in chosen:
+            if choice not in options:
+                fail(f"{group}={choice} is not an option; choose one of: {', '.join(options)}")
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_device(value):
+    if value in ("auto", "cpu"):
+        return True
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return device.type == "cuda" and torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+
+
+# (key, test, what it must be); a key absent from the chosen configs is skipped
+RULES = (
+    ("seed", is_int, "an integer"),
+    ("trainer.epochs", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("trainer.device", is_device, "auto, cpu, or a CUDA device present on this machine (cuda, cuda:0, ...)"),
+    ("linear.name", lambda v: v in ("torch", "custom"), "torch or custom"),
+    ("data.batch_size", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("data.num_workers", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    ("data.loader", lambda v: v in data.LOADER_KINDS, f"one of {', '.join(data.LOADER_KINDS)}"),
+    ("data.val_fraction", lambda v: is_number(v) and 0 < v < 1, "a number between 0 and 1"),
+    ("data.train_size", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("data.val_size", lambda v: is_int(v) and v > 0, "a positive integer"),
+    ("data.num_classes", lambda v: is_int(v) and v >= 2, "an integer >= 2"),
+    (
+        "data.image_size",
+        lambda v: isinstance(v, ListConfig) and len(v) == 3 and all(is_int(x) and x > 0 for x in v)
+        and 1 <= v[0] <= 4,  # FakeData makes its images through PIL: 1 to 4 channels
+        "[channels, height, width] with 1 to 4 channels",
+    ),
+    ("model.hidden_sizes", lambda v: isinstance(v, ListConfig) and all(is_int(x) and x > 0 for x in v),
+     "a list of positive integers"),
+    ("model.activation", lambda v: v in models.ACTIVATIONS, f"one of {', '.join(models.ACTIVATIONS)}"),
+    ("model.dropout", lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
+)
+
+
+def validate(cfg):
+    """Raise ConfigError naming the first bad setting, before any work is done."""
+    absent = object()
+    for key, test, expected in RULES:
+        value = OmegaConf.select(cfg, key, default=absent)
+        if value is not absent and not test(value):
+            shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+            raise ConfigError(f"{key}={shown} is invalid: it must be {expected}")
+
+
+def fail(message, exit_code=2):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(exit_code)
+
+
+# --- building blocks ---------------------------------------------------------------------------------
+
+
+def pick_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def dataset_options(data_cfg):
+    """The data config minus the loader's own settings: what data.load_data takes."""
+    loader_keys = ("batch_size", "num_workers", "loader")
+    return {key: value for key, value in OmegaConf.to_container(data_cfg).items() if key not in loader_keys}
+
+
+def make_loaders(cfg, dataset, device):
+    """(train, val) loaders; only the training one shuffles, in an order set by the seed."""
+    return tuple(
+        data.make_loader(
+            images, labels, cfg.data.batch_size, shuffle, cfg.data.loader, device, cfg.data.num_workers, cfg.seed
+        )
+        for images, labels, shuffle in (
+            (dataset.train_images, dataset.train_labels, True),
+            (dataset.val_images, dataset.val_labels, False),
+        )
+    )
+
+
+def make_model(cfg, dataset, device):
+    """Build the network with nn.Linear, then swap in ext.Linear for linear=custom.
+
+    The swap keeps the weights, so for one seed both choices start from identical parameters.
+    """
+    channels, height, width = dataset.image_shape
+    model = instantiate(
+        cfg.model,
+        num_classes=dataset.num_classes,
+        in_channels=channels,
+        image_size=(height, width),
+        small_input=max(height, width) <= SMALL_INPUT_MAX_PX,
+    )
+    if cfg.linear.name == "custom":
+        model = ext.replace_linears(model, fuse_relu=cfg.linear.fuse_relu)
+    return model.to(device)
+
+
+def synchronize(device):
+    """Wait for queued GPU work, so wall-clock times measure the work and not just its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    acc: float
+    epoch_s: float
+    samples_per_s: float
+
+
+def train_one_epoch(model, loader, optimizer, device, progress=None):
+    """One pass over `loader` with one optimizer step per batch; returns EpochStats.
+
+    Loss and correct counts accumulate on the device and are read once at the end: reading them every
+    step would make the host wait for the device every step.
+    """
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    num_samples = 0
+    synchronize(device)
+    start_s = time.perf_counter()
+    for step, (images, labels) in enumerate(loader, 1):
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_sum.add_(loss.detach(), alpha=len(labels))
+        correct += (logits.argmax(dim=1) == labels).sum()
+        num_samples += len(labels)
+        if progress is not None:
+            progress.update(len(labels))
+            if step % PROGRESS_EVERY_STEPS == 0:
+                progress.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+    synchronize(device)
+    epoch_s = time.perf_counter() - start_s
+    return EpochStats(loss_sum.item() / num_samples, correct.item() / num_samples, epoch_s, num_samples / epoch_s)
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """(mean loss, accuracy) over `loader`."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    num_samples = 0
+    for images, labels in loader:
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        logits = model(images)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        correct += (logits.argmax(dim=1) == labels).sum()
+        num_samples += len(labels)
+    return loss_sum.item() / num_samples, correct.item() / num_samples
+
+
+def save_atomic(state, path):
+    """torch.save into a temporary file in the same folder, fsync, then rename over `path`.
+
+    A crash at any moment leaves either the previous file or the new one, never a torn one.
+    """
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    folder = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def describe(cfg, device, num_params):
+    """The run in one line: what trains on what, how, and where."""
+    optimizer = cfg.optim._target_.rsplit(".", 1)[-1]
+    scheduler = cfg.sched._target_.rsplit(".", 1)[-1]
+    return (
+        f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | {optimizer} lr={cfg.optim.lr} {scheduler} | "
+        f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | {device} | "
+        f"{num_params:,} parameters"
+    )
+
+
+def hparams_of(cfg, num_params):
+    """Every setting as a flat {dotted.key: value} for TensorBoard's HParams dashboard.
+
+    Objects built from `_target_` show their class name under the group's name (optim: AdamW).
+    """
+    flat = {"num_params": num_params}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, f"{name}.")
+            elif key == "_target_":
+                flat[prefix.rstrip(".")] = value.rsplit(".", 1)[-1]
+            elif isinstance(value, (bool, int, float, str)):
+                flat[name] = value
+            else:  # lists and None
+                flat[name] = str(value)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+@contextmanager
+def logging_to(path):
+    """Copy this module's log lines, with timestamps, into `path` (appending) while the block runs."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+
+def fit(cfg, run_dir):
+    """Train as `cfg` says, writing train.log, TensorBoard events and last.pt into `run_dir`.
+
+    Returns the final validation accuracy. Tests and benchmarks call it with a composed config:
+
+    Example:
+        >>> with hydra.initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        ...     cfg = hydra.compose("train", overrides=["trainer.epochs=2"])
+        >>> fit(cfg, Path("outputs/try"))
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with logging_to(run_dir / "train.log"), SummaryWriter(run_dir) as writer:
+        device = pick_device(cfg.trainer.device)
+        torch.manual_seed(cfg.seed)
+        dataset = data.load_data(**dataset_options(cfg.data))
+        train_loader, val_loader = make_loaders(cfg, dataset, device)
+        model = make_model(cfg, dataset, device)
+        optimizer = instantiate(cfg.optim, params=model.parameters())
+        scheduler = instantiate(cfg.sched, optimizer=optimizer)
+        num_params = sum(parameter.numel() for parameter in model.parameters())
+        description = describe(cfg, device, num_params)
+        log.info(f"run: {description}")
+        log.info(f"folder: {run_dir}")
+
+        show_progress = sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
+        epoch_times_s = []
+        for epoch in range(1, cfg.trainer.epochs + 1):
+            lr = optimizer.param_groups[0]["lr"]
+            with tqdm(
+                total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
+                unit_scale=True, leave=False, disable=not show_progress,
+            ) as progress:
+                train = train_one_epoch(model, train_loader, optimizer, device, progress)
+            val_loss, val_acc = evaluate(model, val_loader, device)
+            scheduler.step()
+            epoch_times_s.append(train.epoch_s)
+
+            metrics = dict(zip(EPOCH_TAGS, (
+                train.loss, train.acc, val_loss, val_acc, train.epoch_s, train.samples_per_s, lr
+            )))
+            for tag, value in metrics.items():
+                writer.add_scalar(tag, value, epoch)
+            log.info(
+                f"epoch {epoch}/{cfg.trainer.epochs}: train loss {train.loss:.4f} acc {train.acc:.2%} | "
+                f"val loss {val_loss:.4f} acc {val_acc:.2%} | {train.epoch_s:.3f} s "
+                f"{train.samples_per_s:,.0f} samples/s | lr {lr:.3g}"
+            )
+            save_atomic(
+                {
+                    "epoch": epoch,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "config": OmegaConf.to_container(cfg, resolve=True),
+                },
+                run_dir / "last.pt",
+            )
+
+        epoch_s_mean = sum(epoch_times_s) / len(epoch_times_s)
+        # HParams reads each metric from the run's scalars: val/acc's last value is the final one
+        final_metrics = {"val/acc": val_acc, "time/epoch_s_mean": epoch_s_mean}
+        writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
+        for summary in hparams(hparams_of(cfg, num_params), final_metrics):
+            writer.file_writer.add_summary(summary)
+        log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s | {description}")
+    return val_acc
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float:
+    try:
+        validate(cfg)
+        return fit(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as error:
+        fail(str(error))
+    except data.DataError as error:
+        fail(str(error), exit_code=1)
+
+
+if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
+    main()
