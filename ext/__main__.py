@@ -23,7 +23,7 @@ def describe_build(manifest: dict) -> str:
         ("built at", manifest["built_at"]),
         ("build dir", manifest["build_dir"]),
     ]
-    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+    return "\n".join(f"{name + ':':<15} {value}" for name, value in rows)
 
 
 if __name__ == "__main__":
