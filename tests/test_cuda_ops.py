@@ -1,0 +1,163 @@
+"""The CUDA kernels through the real ops, against PyTorch: forward and every gradient in
+every dtype, awkward shapes and layouts, autocast, streams and CUDA graphs, determinism.
+
+Needs a GPU and a build with the CUDA kernels; on this project's machines (no GPU) the
+kernels are instead run on the CPU by tests/test_cuda_emulation.py.
+
+Inputs are multiples of 1/4 in [-2, 2], so every product and sum is exact in float32 and
+each result must equal the float64 reference rounded to the dtype, bit for bit.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA GPU here; the CUDA kernels are checked by test_cuda_emulation.py")
+
+if torch.cuda.is_available():
+    import ext
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# (M, N, K): degenerate, prime, and just off every edge of the 128 x 128 x 8 block tile.
+SHAPES = [(1, 1, 1), (37, 61, 45), (128, 128, 8), (129, 127, 9), (127, 129, 7), (130, 68, 12), (3, 5, 0),
+          (0, 4, 3)]
+LAYOUTS = ["contiguous", "transposed", "misaligned", "strided"]
+
+
+def quarters(*shape, generator):
+    return (torch.randint(-8, 9, shape, generator=generator).double() / 4).cuda()
+
+
+def lay_out(values, layout):
+    """The same values in another memory layout (the kernels read any strides)."""
+    if layout == "contiguous":
+        return values.contiguous()
+    if layout == "transposed":
+        return values.t().contiguous().t()
+    if layout == "misaligned":  # storage offset of one element: the scalar-load path
+        flat = torch.cat([values.new_zeros(1), values.flatten()])
+        return flat[1:].view(values.shape)
+    if layout == "strided":
+        wide = values.new_zeros(values.shape[0], 2 * values.shape[1] + 3)
+        wide[:, : 2 * values.shape[1] : 2] = values
+        return wide[:, : 2 * values.shape[1] : 2]
+    raise ValueError(layout)
+
+
+def exact_case(shape, dtype, layout="contiguous", seed=0):
+    """input, weight, bias (leaf tensors in dtype) and a grad_output, all exact in dtype."""
+    M, N, K = shape
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, dy = quarters(M, K, generator=g), quarters(N, K, generator=g), quarters(N, generator=g), \
+        quarters(M, N, generator=g)
+    leaves = [lay_out(t.to(dtype), layout).requires_grad_() for t in (x, w)] + [b.to(dtype).requires_grad_()]
+    return leaves, dy.to(dtype)
+
+
+def reference(op, leaves, grad_output):
+    """Forward and gradients in float64 (exact here), rounded to the dtype."""
+    x, w, b = (t.detach().double().requires_grad_() for t in leaves)
+    y = F.linear(x, w, b)
+    if op is ext.linear_relu:
+        y = torch.relu(y)
+    y.backward(grad_output.double())
+    dtype = leaves[0].dtype
+    return [t.to(dtype) for t in (y.detach(), x.grad, w.grad, b.grad)]
+
+
+def ours(op, leaves, grad_output):
+    y = op(*leaves)
+    y.backward(grad_output)
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_relu"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_and_gradients_are_exact(op, shape, dtype):
+    op = getattr(ext, op)
+    leaves, grad_output = exact_case(shape, dtype)
+    for got, expected in zip(ours(op, leaves, grad_output), reference(op, leaves, grad_output)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_any_layout(layout, dtype):
+    leaves, grad_output = exact_case((37, 61, 45), dtype, layout)
+    for got, expected in zip(ours(ext.linear, leaves, grad_output), reference(ext.linear, leaves, grad_output)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_float32_random_values_match_f_linear_with_large_k():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w, b = (torch.randn(shape, device="cuda", generator=g) for shape in ((67, 4099), (131, 4099), (131,)))
+    reference = F.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(ext.linear(x, w, b), reference, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op_name", ["linear", "linear_relu"])
+def test_autocast_casts_like_nn_linear(autocast_dtype, op_name):
+    leaves, grad_output = exact_case((37, 61, 45), torch.float32)
+    with torch.autocast("cuda", dtype=autocast_dtype):
+        y = getattr(ext, op_name)(*leaves)
+        torch_y = F.linear(*(t.detach() for t in leaves))
+    assert y.dtype == torch_y.dtype == autocast_dtype
+    expected = reference(getattr(ext, op_name), [t.detach().to(autocast_dtype) for t in leaves],
+                         grad_output.to(autocast_dtype))[0]
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    y.backward(grad_output.to(autocast_dtype))
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)  # grads reach fp32 params
+
+
+def test_autocast_leaves_float64_alone():
+    leaves, _ = exact_case((5, 7, 3), torch.float64)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert ext.linear(*leaves).dtype == F.linear(*(t.detach() for t in leaves)).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_results_repeat_bit_for_bit(dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w, b = (torch.randn(shape, device="cuda", generator=g).to(dtype).requires_grad_()
+               for shape in ((300, 257), (129, 257), (129,)))
+    grad_output = torch.randn(300, 129, device="cuda", generator=g).to(dtype)
+
+    def run():
+        for leaf in (x, w, b):
+            leaf.grad = None
+        return ours(ext.linear, [x, w, b], grad_output)
+
+    for first, second in zip(run(), run()):
+        assert torch.equal(first, second)
+
+
+def test_runs_on_the_current_stream_and_in_cuda_graphs():
+    leaves, _ = exact_case((37, 61, 45), torch.float32)
+    x, w, b = (t.detach() for t in leaves)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = ext.linear(x, w, b)  # warm-up, and a launch on a side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # fails or records nothing if the kernel ignores the capture stream
+        graph_y = ext.linear(x, w, b)
+    x.copy_(-x)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_y, F.linear(x, w, b), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_runs_on_the_tensors_device_not_the_current_one():
+    leaves, _ = exact_case((37, 61, 45), torch.float32)
+    x, w, b = (t.detach().to("cuda:1") for t in leaves)
+    with torch.cuda.device(0):
+        y = ext.linear(x, w, b)
+    assert y.device == torch.device("cuda:1")
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
