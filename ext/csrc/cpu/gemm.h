@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 namespace ext::cpu {
 
@@ -26,16 +28,19 @@ void sum_rows(int64_t M, int64_t N,
               const T* A, int64_t a_row_stride, int64_t a_col_stride,
               T* out);
 
-// Which microkernel family runs. Chosen once at load from the CPU's features;
-// tests switch it to check that both paths agree.
-enum class CpuPath { Portable, Avx2Fma };
+// Which microkernel family runs. The best one this CPU supports is chosen at
+// load; tests switch paths to check that they agree.
+enum class CpuPath { Portable, Avx2Fma, Avx512 };
 CpuPath best_cpu_path();             // what this CPU supports
 CpuPath active_cpu_path();           // what runs now
-void set_cpu_path(CpuPath path);     // raises if the CPU lacks it
-const char* cpu_path_name(CpuPath path);
+bool cpu_supports(CpuPath path);     // can this CPU run the path?
+void set_cpu_path(CpuPath path);     // raises std::runtime_error if the CPU lacks it
+const char* cpu_path_name(CpuPath path);                   // "portable" | "avx2+fma" | "avx512"
+std::optional<CpuPath> cpu_path_from_name(std::string_view name);  // inverse of cpu_path_name
 
 // This machine's measured peak of fused multiply-adds, in GFLOP/s (2 flops per
-// lane per FMA), running independent vector FMA chains on num_threads threads.
+// lane per FMA), running independent chains of the widest vector FMA the CPU
+// has (AVX-512 if present, else AVX2) on num_threads threads.
 // The benchmark reports each kernel as a % of it.
 double measure_fma_peak_gflops(int64_t num_threads);
 

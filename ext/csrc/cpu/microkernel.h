@@ -1,0 +1,46 @@
+// The interface between the blocked GEMM driver (gemm.cpp) and the register-tile
+// microkernels, one family per instruction set (microkernel_<isa>.cpp). Every
+// family is the same template (microkernel_impl.h) compiled for its own target.
+#pragma once
+
+#include <cstdint>
+
+namespace ext::cpu {
+
+// One register tile: C[rows x cols] = (accumulate ? C : bias row or 0) + A·B over
+// a depth of kc, then max(., 0) if relu. A[i, k] = a[i * a_row_stride + k *
+// a_k_stride] (a packed panel, or the caller's matrix read in place); b is a
+// packed panel of kc rows of NR values. rows <= MR and cols <= NR; rows beyond
+// `rows` of A must be readable (packed panels are zero-padded).
+template <typename T>
+struct TileArgs {
+  int64_t kc;
+  const T* a;
+  int64_t a_row_stride, a_k_stride;
+  const T* b;
+  T* c;
+  int64_t ldc;
+  int64_t rows, cols;
+  const T* bias;  // cols values, used when !accumulate; nullptr means zero
+  bool accumulate;
+  bool relu;
+};
+
+template <typename T>
+struct Microkernel {
+  int64_t mr, nr;  // register tile: MR rows x NR columns of C
+  // A with unit row stride (a packed panel, or a column-major operand).
+  void (*tile_unit_row_stride)(const TileArgs<T>&);
+  // A with unit k stride (a row-major operand read in place, no packing).
+  void (*tile_unit_k_stride)(const TileArgs<T>&);
+  // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
+  void (*pack_a)(const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst);
+  // Packs B[kc x cols] into NR-column panels (k-major inside a panel), zero-padded.
+  void (*pack_b)(const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols, T* dst);
+};
+
+template <typename T> Microkernel<T> portable_microkernel();
+template <typename T> Microkernel<T> avx2_microkernel();
+template <typename T> Microkernel<T> avx512_microkernel();
+
+}  // namespace ext::cpu

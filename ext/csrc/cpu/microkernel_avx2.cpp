@@ -1,0 +1,52 @@
+// AVX2+FMA microkernels: 16 ymm registers hold a 6 x 2-vector accumulator tile
+// (12 registers) plus two B vectors and one broadcast A value.
+#include "microkernel.h"
+
+#include <immintrin.h>
+
+// Standard headers come in before the target pragma: compiled inside it, their
+// inline functions could merge with the portable build's and run AVX code there.
+#include <algorithm>
+#include <cstring>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+#include "avx_transpose.h"
+#include "microkernel_impl.h"
+
+namespace ext::cpu {
+namespace {
+
+struct Avx2Float {
+  using T = float;
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V broadcast(T x) { return _mm256_set1_ps(x); }
+  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
+  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
+    transpose_block(src, src_stride, dst, dst_stride);
+  }
+};
+
+struct Avx2Double {
+  using T = double;
+  using V = __m256d;
+  static constexpr int kLanes = 4;
+  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V broadcast(T x) { return _mm256_set1_pd(x); }
+  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
+  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
+    transpose_block(src, src_stride, dst, dst_stride);
+  }
+};
+
+}  // namespace
+
+template <> Microkernel<float> avx2_microkernel<float>() { return make_microkernel<Avx2Float, 6, 2>(); }   // 6x16
+template <> Microkernel<double> avx2_microkernel<double>() { return make_microkernel<Avx2Double, 6, 2>(); }  // 6x8
+
+}  // namespace ext::cpu
+
+#pragma GCC pop_options

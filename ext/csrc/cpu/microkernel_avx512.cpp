@@ -1,0 +1,53 @@
+// AVX-512 microkernels: 32 zmm registers hold a 12 x 2-vector accumulator tile
+// (24 registers) plus two B vectors and one broadcast A value; 24 independent
+// FMA chains cover the 4-cycle latency of two FMA ports three times over.
+#include "microkernel.h"
+
+#include <immintrin.h>
+
+// Standard headers come in before the target pragma: compiled inside it, their
+// inline functions could merge with the portable build's and run AVX code there.
+#include <algorithm>
+#include <cstring>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+
+#include "avx_transpose.h"
+#include "microkernel_impl.h"
+
+namespace ext::cpu {
+namespace {
+
+struct Avx512Float {
+  using T = float;
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V broadcast(T x) { return _mm512_set1_ps(x); }
+  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
+  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
+    transpose_block(src, src_stride, dst, dst_stride);
+  }
+};
+
+struct Avx512Double {
+  using T = double;
+  using V = __m512d;
+  static constexpr int kLanes = 8;
+  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static V broadcast(T x) { return _mm512_set1_pd(x); }
+  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
+  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
+    transpose_block(src, src_stride, dst, dst_stride);
+  }
+};
+
+}  // namespace
+
+template <> Microkernel<float> avx512_microkernel<float>() { return make_microkernel<Avx512Float, 12, 2>(); }   // 12x32
+template <> Microkernel<double> avx512_microkernel<double>() { return make_microkernel<Avx512Double, 12, 2>(); }  // 12x16
+
+}  // namespace ext::cpu
+
+#pragma GCC pop_options

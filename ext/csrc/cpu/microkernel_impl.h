@@ -1,0 +1,135 @@
+// The register-tile microkernel and the packing routines, written once over a
+// small SIMD description `Simd`: vector type V with kLanes lanes of T, fma,
+// broadcast, and a kTransposeBlock-square transpose for packing.
+// Each microkernel_<isa>.cpp includes this file inside its own
+// `#pragma GCC target` region, so the same code becomes AVX-512, AVX2+FMA or
+// portable machine code. No include guard on purpose: one inclusion per target,
+// in an unnamed namespace, so the per-target copies never merge at link time.
+#include "microkernel.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace ext::cpu {
+namespace {
+
+template <class Simd>
+inline typename Simd::V load(const typename Simd::T* p) {
+  typename Simd::V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <class Simd>
+inline void store(typename Simd::T* p, typename Simd::V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// C tile = init + A·B, MR x (NV * lanes) values held in registers for the whole
+// k loop. kUnitRowStride picks the A addressing at compile time so the packed
+// case (the hot one) has no stride multiplies.
+template <class Simd, int MR, int NV, bool kUnitRowStride>
+void tile(const TileArgs<typename Simd::T>& t) {
+  using T = typename Simd::T;
+  using V = typename Simd::V;
+  constexpr int W = Simd::kLanes;
+  constexpr int NR = NV * W;
+
+  // Edge tiles go through a full-size local tile, so the hot loop never branches.
+  const bool full = t.rows == MR && t.cols == NR;
+  alignas(64) T edge_c[MR * NR];
+  alignas(64) T edge_bias[NR];
+  T* c = t.c;
+  int64_t ldc = t.ldc;
+  const T* bias = t.bias;
+  if (!full) {
+    c = edge_c;
+    ldc = NR;
+    if (t.accumulate)
+      for (int64_t i = 0; i < t.rows; ++i) std::copy_n(t.c + i * t.ldc, t.cols, edge_c + i * NR);
+    if (bias) {
+      std::fill_n(edge_bias, NR, T(0));
+      std::copy_n(t.bias, t.cols, edge_bias);
+      bias = edge_bias;
+    }
+  }
+
+  V acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = t.accumulate ? load<Simd>(c + i * ldc + v * W) : bias ? load<Simd>(bias + v * W) : V{};
+
+  const T* a = t.a;
+  const T* b = t.b;
+  const int64_t a_row_stride = kUnitRowStride ? 1 : t.a_row_stride;
+  const int64_t a_k_stride = kUnitRowStride ? t.a_k_stride : 1;
+  for (int64_t k = 0; k < t.kc; ++k) {
+    V b_row[NV];
+    for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(b + v * W);
+    for (int i = 0; i < MR; ++i) {
+      const V a_value = Simd::broadcast(a[i * a_row_stride]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = Simd::fma(a_value, b_row[v], acc[i][v]);
+    }
+    a += a_k_stride;
+    b += NR;
+  }
+
+  if (t.relu)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] > V{} ? acc[i][v] : V{};
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store<Simd>(c + i * ldc + v * W, acc[i][v]);
+
+  if (!full)
+    for (int64_t i = 0; i < t.rows; ++i) std::copy_n(edge_c + i * NR, t.cols, t.c + i * t.ldc);
+}
+
+// Panels of P consecutive "lines" (rows of A, columns of B), each k-major:
+// dst[panel][k][p] = src[(panel * P + p) * line_stride + k * k_stride], zero-padded.
+// Reads follow whichever stride is 1; when that is k, whole blocks are
+// transposed in registers (Simd::transpose), so a transposed operand packs fast.
+template <class Simd, int P>
+void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_stride, int64_t lines,
+                 int64_t kc, typename Simd::T* dst) {
+  using T = typename Simd::T;
+  constexpr int B = Simd::kTransposeBlock;
+  for (int64_t first = 0; first < lines; first += P, dst += P * kc) {
+    const int64_t count = std::min<int64_t>(P, lines - first);
+    const T* panel = src + first * line_stride;
+    if (count == P && line_stride == 1) {
+      for (int64_t k = 0; k < kc; ++k)
+        for (int p = 0; p < P; ++p) dst[k * P + p] = panel[k * k_stride + p];
+    } else if (count == P && k_stride == 1 && P % B == 0) {
+      const int64_t kc_blocked = kc / B * B;
+      for (int64_t k = 0; k < kc_blocked; k += B)
+        for (int p = 0; p < P; p += B) Simd::transpose(panel + p * line_stride + k, line_stride, dst + k * P + p, P);
+      for (int p = 0; p < P; ++p)
+        for (int64_t k = kc_blocked; k < kc; ++k) dst[k * P + p] = panel[p * line_stride + k];
+    } else {
+      for (int64_t k = 0; k < kc; ++k)
+        for (int p = 0; p < P; ++p)
+          dst[k * P + p] = p < count ? panel[p * line_stride + k * k_stride] : T(0);
+    }
+  }
+}
+
+template <class Simd, int MR, int NV>
+Microkernel<typename Simd::T> make_microkernel() {
+  using T = typename Simd::T;
+  constexpr int NR = NV * Simd::kLanes;
+  return {
+      MR,
+      NR,
+      &tile<Simd, MR, NV, true>,
+      &tile<Simd, MR, NV, false>,
+      [](const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst) {
+        pack_panels<Simd, MR>(a, row_stride, k_stride, rows, kc, dst);
+      },
+      [](const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols, T* dst) {
+        pack_panels<Simd, NR>(b, col_stride, k_stride, cols, kc, dst);
+      },
+  };
+}
+
+}  // namespace
+}  // namespace ext::cpu
