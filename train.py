@@ -7,6 +7,7 @@
 
 Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard events and last.pt.
 """
+import itertools
 import logging
 import os
 import sys
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.nn import functional as F
@@ -33,16 +37,6 @@ import models
 log = logging.getLogger("train")
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-CONFIG_GROUPS = ("model", "linear", "data", "optim", "sched")
-EPOCH_TAGS = (
-    "train/loss",
-    "train/acc",
-    "val/loss",
-    "val/acc",
-    "time/epoch_s",
-    "throughput/train_samples_per_s",
-    "lr",
-)
 SMALL_INPUT_MAX_PX = 64  # ResNets keep full resolution (3x3 stride-1 stem, no max-pool) up to this size
 PROGRESS_EVERY_STEPS = 20  # the progress bar reads the loss (a device sync) only this often
 
@@ -70,31 +64,47 @@ OmegaConf.register_new_resolver("run_time", run_time, use_cache=True, replace=Tr
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
 
 
-def check_group_choices(argv):
-    """Exit with one line for an unknown option of a config group (model=resnet19).
+def load_config(overrides=()):
+    """The config `python train.py <overrides>` runs with (without Hydra's own `hydra` node).
 
-    Runs before Hydra, whose own report of this mistake takes a dozen lines.
+    Example:
+        >>> cfg = load_config(["model=resnet18", "data=fake", "trainer.epochs=1"])
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
 
-    try:
-        overrides = OverridesParser.create().parse_overrides([arg for arg in argv if not arg.startswith("-")])
-    except Exception:  # malformed overrides: Hydra reports those itself
+
+def check_command_line(argv):
+    """Compose and validate the config of every job the command line asks for, before Hydra starts.
+
+    A mistake (model=resnet19, trainer.epochs=-1, a misspelt key) then ends in one line and before any
+    run folder exists; Hydra's own report of it spans a dozen lines. Choice sweeps (linear=torch,custom)
+    are checked job by job; range and glob sweeps are left to validate() in each job.
+    """
+    flags = [arg for arg in argv if arg.startswith("-")]
+    if set(flags) - {"-m", "--multirun"}:  # --cfg, --config-name, ...: Hydra's business
         return
+    try:
+        overrides = OverridesParser.create().parse_overrides([arg for arg in argv if arg not in flags])
+    except HydraException:  # malformed overrides: Hydra reports those itself
+        return
+    jobs = []
     for override in overrides:
-        group = override.key_or_group
-        if group not in CONFIG_GROUPS or override.is_delete():
-            continue
         if override.is_choice_sweep():
-            chosen = list(override.sweep_string_iterator())
-        elif override.is_sweep_override():  # globs and ranges need Hydra's config loader
-            continue
-        else:
-            chosen = [override.get_value_element_as_str()]
-        options = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
-        for choice in chosen:
-            if choice not in options:
-                fail(f"{group}={choice} is not an option; choose one of: {', '.join(options)}")
+            key = override.get_key_element()
+            jobs.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        elif not override.is_sweep_override():
+            jobs.append([override.input_line])
+    for job_overrides in itertools.product(*jobs):
+        try:
+            validate(load_config(job_overrides))
+        except MissingConfigException as error:
+            group, choice = error.missing_cfg_file.rsplit("/", 1)
+            fail(f"{group}={choice} is not an option; choose one of: {', '.join(error.options or [])}")
+        except HydraException as error:
+            fail(" ".join(str(error).split("\n")))
+        except ConfigError as error:
+            fail(str(error))
 
 
 def is_int(value):
@@ -115,7 +125,7 @@ def is_device(value):
     return device.type == "cuda" and torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
 
 
-# (key, test, what it must be); a key absent from the chosen configs is skipped
+# (key, test, what it must be); every run needs these keys
 RULES = (
     ("seed", is_int, "an integer"),
     ("trainer.epochs", lambda v: is_int(v) and v > 0, "a positive integer"),
@@ -124,6 +134,10 @@ RULES = (
     ("data.batch_size", lambda v: is_int(v) and v > 0, "a positive integer"),
     ("data.num_workers", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     ("data.loader", lambda v: v in data.LOADER_KINDS, f"one of {', '.join(data.LOADER_KINDS)}"),
+    ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
+)
+# the same for keys that only some options have (model.hidden_sizes: mlp only)
+OPTION_RULES = (
     ("data.val_fraction", lambda v: is_number(v) and 0 < v < 1, "a number between 0 and 1"),
     ("data.train_size", lambda v: is_int(v) and v > 0, "a positive integer"),
     ("data.val_size", lambda v: is_int(v) and v > 0, "a positive integer"),
@@ -138,18 +152,22 @@ RULES = (
      "a list of positive integers"),
     ("model.activation", lambda v: v in models.ACTIVATIONS, f"one of {', '.join(models.ACTIVATIONS)}"),
     ("model.dropout", lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
 )
 
 
 def validate(cfg):
     """Raise ConfigError naming the first bad setting, before any work is done."""
     absent = object()
-    for key, test, expected in RULES:
-        value = OmegaConf.select(cfg, key, default=absent)
-        if value is not absent and not test(value):
-            shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
-            raise ConfigError(f"{key}={shown} is invalid: it must be {expected}")
+    for rules, required in ((RULES, True), (OPTION_RULES, False)):
+        for key, test, expected in rules:
+            value = OmegaConf.select(cfg, key, default=absent)
+            if value is absent:
+                if required:
+                    raise ConfigError(f"{key} is missing: it must be {expected}")
+                continue
+            if not test(value):
+                shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+                raise ConfigError(f"{key}={shown} is invalid: it must be {expected}")
 
 
 def fail(message, exit_code=2):
@@ -169,7 +187,7 @@ def pick_device(name):
 def dataset_options(data_cfg):
     """The data config minus the loader's own settings: what data.load_data takes."""
     loader_keys = ("batch_size", "num_workers", "loader")
-    return {key: value for key, value in OmegaConf.to_container(data_cfg).items() if key not in loader_keys}
+    return {key: value for key, value in OmegaConf.to_container(data_cfg, resolve=True).items() if key not in loader_keys}
 
 
 def make_loaders(cfg, dataset, device):
@@ -201,6 +219,16 @@ def make_model(cfg, dataset, device):
     if cfg.linear.name == "custom":
         model = ext.replace_linears(model, fuse_relu=cfg.linear.fuse_relu)
     return model.to(device)
+
+
+def build_training(cfg, dataset, device):
+    """(model, optimizer, scheduler, train loader, val loader) for `cfg`, all seeded by cfg.seed."""
+    torch.manual_seed(cfg.seed)
+    train_loader, val_loader = make_loaders(cfg, dataset, device)
+    model = make_model(cfg, dataset, device)
+    optimizer = instantiate(cfg.optim, params=model.parameters())
+    scheduler = instantiate(cfg.sched, optimizer=optimizer)
+    return model, optimizer, scheduler, train_loader, val_loader
 
 
 def synchronize(device):
@@ -282,38 +310,51 @@ def save_atomic(state, path):
         os.close(folder)
 
 
+def class_name(node):
+    """AdamW for a config built from `_target_: torch.optim.AdamW`."""
+    return node._target_.rsplit(".", 1)[-1]
+
+
 def describe(cfg, device, num_params):
     """The run in one line: what trains on what, how, and where."""
-    optimizer = cfg.optim._target_.rsplit(".", 1)[-1]
-    scheduler = cfg.sched._target_.rsplit(".", 1)[-1]
     return (
-        f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | {optimizer} lr={cfg.optim.lr} {scheduler} | "
+        f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
+        f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
         f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | {device} | "
         f"{num_params:,} parameters"
     )
 
 
-def hparams_of(cfg, num_params):
-    """Every setting as a flat {dotted.key: value} for TensorBoard's HParams dashboard.
-
-    Objects built from `_target_` show their class name under the group's name (optim: AdamW).
-    """
-    flat = {"num_params": num_params}
+def hparams_of(cfg, device, num_params):
+    """The run's settings for TensorBoard's HParams dashboard: the headline choices first, then every
+    other setting under its dotted key (lists as text)."""
+    headline = {
+        "model": cfg.model.name,
+        "linear": cfg.linear.name,
+        "data": cfg.data.name,
+        "optimizer": class_name(cfg.optim),
+        "scheduler": class_name(cfg.sched),
+        "lr": cfg.optim.lr,
+        "batch_size": cfg.data.batch_size,
+        "epochs": cfg.trainer.epochs,
+        "seed": cfg.seed,
+        "device": str(device),
+        "num_params": num_params,
+    }
+    in_headline = {"model.name", "linear.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
+                   "seed", "trainer.device"}
+    others = {}
 
     def walk(node, prefix):
         for key, value in node.items():
             name = f"{prefix}{key}"
             if isinstance(value, dict):
                 walk(value, f"{name}.")
-            elif key == "_target_":
-                flat[prefix.rstrip(".")] = value.rsplit(".", 1)[-1]
-            elif isinstance(value, (bool, int, float, str)):
-                flat[name] = value
-            else:  # lists and None
-                flat[name] = str(value)
+            elif key != "_target_" and name not in in_headline:
+                others[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
 
     walk(OmegaConf.to_container(cfg, resolve=True), "")
-    return flat
+    return headline | others
 
 
 @contextmanager
@@ -336,23 +377,17 @@ def logging_to(path):
 def fit(cfg, run_dir):
     """Train as `cfg` says, writing train.log, TensorBoard events and last.pt into `run_dir`.
 
-    Returns the final validation accuracy. Tests and benchmarks call it with a composed config:
+    Returns the final validation accuracy. `python train.py` calls it; so can tests and scripts:
 
     Example:
-        >>> with hydra.initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        ...     cfg = hydra.compose("train", overrides=["trainer.epochs=2"])
-        >>> fit(cfg, Path("outputs/try"))
+        >>> fit(load_config(["trainer.epochs=2"]), "outputs/try")
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with logging_to(run_dir / "train.log"), SummaryWriter(run_dir) as writer:
         device = pick_device(cfg.trainer.device)
-        torch.manual_seed(cfg.seed)
         dataset = data.load_data(**dataset_options(cfg.data))
-        train_loader, val_loader = make_loaders(cfg, dataset, device)
-        model = make_model(cfg, dataset, device)
-        optimizer = instantiate(cfg.optim, params=model.parameters())
-        scheduler = instantiate(cfg.sched, optimizer=optimizer)
+        model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())
         description = describe(cfg, device, num_params)
         log.info(f"run: {description}")
@@ -366,20 +401,26 @@ def fit(cfg, run_dir):
                 total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
                 unit_scale=True, leave=False, disable=not show_progress,
             ) as progress:
-                train = train_one_epoch(model, train_loader, optimizer, device, progress)
+                stats = train_one_epoch(model, train_loader, optimizer, device, progress)
             val_loss, val_acc = evaluate(model, val_loader, device)
             scheduler.step()
-            epoch_times_s.append(train.epoch_s)
+            epoch_times_s.append(stats.epoch_s)
 
-            metrics = dict(zip(EPOCH_TAGS, (
-                train.loss, train.acc, val_loss, val_acc, train.epoch_s, train.samples_per_s, lr
-            )))
+            metrics = {
+                "train/loss": stats.loss,
+                "train/acc": stats.acc,
+                "val/loss": val_loss,
+                "val/acc": val_acc,
+                "time/epoch_s": stats.epoch_s,
+                "throughput/train_samples_per_s": stats.samples_per_s,
+                "lr": lr,
+            }
             for tag, value in metrics.items():
                 writer.add_scalar(tag, value, epoch)
             log.info(
-                f"epoch {epoch}/{cfg.trainer.epochs}: train loss {train.loss:.4f} acc {train.acc:.2%} | "
-                f"val loss {val_loss:.4f} acc {val_acc:.2%} | {train.epoch_s:.3f} s "
-                f"{train.samples_per_s:,.0f} samples/s | lr {lr:.3g}"
+                f"epoch {epoch}/{cfg.trainer.epochs}: train loss {stats.loss:.4f} acc {stats.acc:.2%} | "
+                f"val loss {val_loss:.4f} acc {val_acc:.2%} | {stats.epoch_s:.3f} s "
+                f"{stats.samples_per_s:,.0f} samples/s | lr {lr:.3g}"
             )
             save_atomic(
                 {
@@ -396,7 +437,7 @@ def fit(cfg, run_dir):
         # HParams reads each metric from the run's scalars: val/acc's last value is the final one
         final_metrics = {"val/acc": val_acc, "time/epoch_s_mean": epoch_s_mean}
         writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
-        for summary in hparams(hparams_of(cfg, num_params), final_metrics):
+        for summary in hparams(hparams_of(cfg, device, num_params), final_metrics):
             writer.file_writer.add_summary(summary)
         log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s | {description}")
     return val_acc
@@ -414,5 +455,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
+    check_command_line(sys.argv[1:])
     main()
