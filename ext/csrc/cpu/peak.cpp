@@ -16,7 +16,10 @@ namespace {
 // Independent accumulator chains: FMA latency (4 cycles) times two FMA ports
 // needs 8 in flight; 10 leave slack and still fit in 16 ymm registers.
 constexpr int kChains = 10;
-constexpr int64_t kIterations = 20'000'000;
+// ~5 ms per trial; the best of several trials filters out moments when another
+// process holds a core (the machine is shared).
+constexpr int64_t kIterations = 4'000'000;
+constexpr int kTrials = 7;
 
 // Runs kChains independent FMA chains on vectors V (GCC vector type) for
 // `iterations` rounds; inlined into a target-specific caller, whose target turns
@@ -47,18 +50,23 @@ double measure_fma_peak_gflops(int64_t num_threads) {
   if (!avx512 && !cpu_supports(CpuPath::Avx2Fma)) return 0.0;
   const int lanes = avx512 ? 16 : 8;
   num_threads = std::max<int64_t>(1, num_threads);
-  std::atomic<float> sink{0};
-  const auto start = std::chrono::steady_clock::now();
-  std::vector<std::thread> threads;
-  for (int64_t t = 0; t < num_threads; ++t)
-    threads.emplace_back([&] {
-      const float result = avx512 ? fma_loop_avx512(kIterations) : fma_loop_avx2(kIterations);
-      sink = sink + result;
-    });
-  for (auto& thread : threads) thread.join();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double flops = 2.0 * lanes * kChains * static_cast<double>(kIterations) * num_threads;
-  return flops / seconds / 1e9 + 0.0 * sink;
+  std::atomic<float> sink{0};
+  double best_gflops = 0.0;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> threads;
+    for (int64_t t = 0; t < num_threads; ++t)
+      threads.emplace_back([&] {
+        const float result = avx512 ? fma_loop_avx512(kIterations) : fma_loop_avx2(kIterations);
+        sink = sink + result;
+      });
+    for (auto& thread : threads) thread.join();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best_gflops = std::max(best_gflops, flops / seconds / 1e9);
+  }
+  return best_gflops + 0.0 * sink;
 }
 
 }  // namespace ext::cpu
