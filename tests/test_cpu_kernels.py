@@ -1,0 +1,206 @@
+"""The CPU GEMM kernels (ext/csrc/cpu) through the raw ops, on every code path:
+sizes crossing every register-tile and cache-block boundary, strided and
+transposed operands, the fused bias/ReLU epilogue, path agreement, and
+bit-identical results across runs and thread counts."""
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+import ext  # noqa: F401  (loads the ops)
+
+ops = torch.ops.ext
+
+# The kernels' block sizes, written down once here. Source of truth: the
+# microkernel_<path>.cpp files (MR x NR register tiles) and gemm.cpp (kKC, kMC, kNC).
+TILE_MR_NR = {
+    ("avx512", torch.float32): (12, 32),
+    ("avx512", torch.float64): (12, 16),
+    ("avx2+fma", torch.float32): (6, 16),
+    ("avx2+fma", torch.float64): (6, 8),
+    ("portable", torch.float32): (4, 8),
+    ("portable", torch.float64): (4, 4),
+}
+KC = {torch.float32: 256, torch.float64: 128}
+MC = 240
+NC = 4096
+PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
+
+# torch's own CPU feature detection decides which of our paths this machine must run.
+_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+PATHS = ["portable"]
+if _CAPABILITY in ("AVX2", "AVX512"):
+    PATHS.append("avx2+fma")
+if _CAPABILITY == "AVX512":
+    PATHS.append("avx512")
+DTYPES = [torch.float32, torch.float64]
+
+
+@contextlib.contextmanager
+def cpu_path(name):
+    previous = ops.cpu_path()
+    ops.set_cpu_path(name)
+    try:
+        yield
+    finally:
+        ops.set_cpu_path(previous)
+
+
+@contextlib.contextmanager
+def num_threads(count):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def make(rows, cols, dtype, layout, seed):
+    """A rows x cols tensor in the given memory layout, same values for any layout."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "contiguous":
+        return torch.randn(rows, cols, generator=gen, dtype=dtype)
+    if layout == "transposed":
+        return torch.randn(cols, rows, generator=gen, dtype=dtype).t()
+    assert layout == "strided"  # both strides > 1: every other column of a wider matrix
+    return torch.randn(rows, 2 * cols, generator=gen, dtype=dtype)[:, ::2]
+
+
+def reference_linear(x, w, b, relu=False):
+    y = x.double() @ w.double().t()
+    if b is not None:
+        y = y + b.double()
+    return y.clamp_min(0) if relu else y
+
+
+def tolerance(dtype, depth):
+    # float64: near exact; float32: rounding grows with the length of each dot product.
+    return dict(rtol=0, atol=1e-12 * max(depth, 1)) if dtype == torch.float64 else \
+        dict(rtol=0, atol=2e-5 * max(depth, 1) ** 0.5)
+
+
+def assert_close(actual, expected, dtype, depth):
+    torch.testing.assert_close(actual.double(), expected, **tolerance(dtype, depth))
+
+
+def boundary_shapes(path, dtype):
+    """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC."""
+    mr, nr = TILE_MR_NR[path, dtype]
+    kc = KC[dtype]
+    shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, MC - 1, MC, MC + 1)]
+    shapes += [(mr + 1, n, 5) for n in (1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
+    shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
+    shapes.append((MC + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_forward_and_backward_across_block_boundaries(path, dtype):
+    with cpu_path(path):
+        for seed, (m, n, k) in enumerate(boundary_shapes(path, dtype)):
+            x, w = make(m, k, dtype, "contiguous", seed), make(n, k, dtype, "contiguous", seed + 1000)
+            b, dy = make(1, n, dtype, "contiguous", seed + 2000)[0], make(m, n, dtype, "contiguous", seed + 3000)
+            shape = f"M={m} N={n} K={k}"
+            assert_close(ops.linear(x, w, b), reference_linear(x, w, b), dtype, k), shape
+            assert_close(ops.linear_relu(x, w, b), reference_linear(x, w, b, relu=True), dtype, k)
+            assert_close(ops.linear_backward_input(dy, w), dy.double() @ w.double(), dtype, n)
+            assert_close(ops.linear_backward_weight(dy, x), dy.double().t() @ x.double(), dtype, m)
+            assert_close(ops.linear_backward_bias(dy), dy.double().sum(0), dtype, m)
+
+
+LAYOUTS = ["contiguous", "transposed", "strided"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_and_transposed_operands(path, dtype):
+    mr, nr = TILE_MR_NR[path, dtype]
+    m, n, k = 2 * mr + 1, nr + 3, KC[dtype] + 9  # ragged in every dimension
+    with cpu_path(path):
+        for x_layout, w_layout in itertools.product(LAYOUTS, LAYOUTS):
+            x, w = make(m, k, dtype, x_layout, 1), make(n, k, dtype, w_layout, 2)
+            dy, b = make(m, n, dtype, x_layout, 3), make(1, n, dtype, "contiguous", 4)[0]
+            assert_close(ops.linear(x, w, b), reference_linear(x, w, b), dtype, k)
+            assert_close(ops.linear_relu(x, w, None), reference_linear(x, w, None, relu=True), dtype, k)
+            assert_close(ops.linear_backward_input(dy, w), dy.double() @ w.double(), dtype, n)
+            assert_close(ops.linear_backward_weight(dy, x), dy.double().t() @ x.double(), dtype, m)
+            assert_close(ops.linear_backward_bias(dy), dy.double().sum(0), dtype, m)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bias_and_relu_epilogue(path):
+    m, n, k = 37, 41, 19
+    x, w = make(m, k, torch.float64, "contiguous", 5), make(n, k, torch.float64, "contiguous", 6)
+    b = torch.linspace(-3, 3, n, dtype=torch.float64)  # sign changes across the row: ReLU must clip some
+    with cpu_path(path):
+        relu_out = ops.linear_relu(x, w, b)
+        assert (relu_out == 0).any() and (relu_out > 0).any()
+        assert_close(relu_out, reference_linear(x, w, b, relu=True), torch.float64, k)
+        assert_close(ops.linear(x, w, None), reference_linear(x, w, None), torch.float64, k)
+        # K == 0: the product is the bias alone (then ReLU), never uninitialised memory.
+        empty_x, empty_w = torch.empty(m, 0, dtype=torch.float64), torch.empty(n, 0, dtype=torch.float64)
+        torch.testing.assert_close(ops.linear(empty_x, empty_w, b), b.expand(m, n))
+        torch.testing.assert_close(ops.linear_relu(empty_x, empty_w, b), b.clamp_min(0).expand(m, n))
+        torch.testing.assert_close(ops.linear(empty_x, empty_w, None), torch.zeros(m, n, dtype=torch.float64))
+
+
+@pytest.mark.skipif(len(PATHS) == 1, reason="this CPU runs only the portable path")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_simd_paths_agree_with_portable(dtype):
+    m, n, k = 150, 70, 600
+    x, w, b = make(m, k, dtype, "contiguous", 7), make(n, k, dtype, "contiguous", 8), make(1, n, dtype, "contiguous", 9)[0]
+    dy = make(m, n, dtype, "contiguous", 10)
+    results = {}
+    for path in PATHS:
+        with cpu_path(path):
+            results[path] = [ops.linear(x, w, b), ops.linear_backward_input(dy, w), ops.linear_backward_weight(dy, x)]
+    for path in PATHS[1:]:
+        for ours, portable, depth in zip(results[path], results["portable"], (k, n, m)):
+            torch.testing.assert_close(ours, portable, **tolerance(dtype, depth))
+
+
+# Shapes above the parallel threshold, split by columns (wide N) and by rows (N = 10).
+DETERMINISM_SHAPES = [(128, 256, 784), (1000, 10, 600)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bit_identical_across_runs_and_thread_counts(path):
+    for m, n, k in DETERMINISM_SHAPES:
+        assert 2 * m * n * k > PARALLEL_MIN_FLOPS  # or threads would never be used
+        x, w = make(m, k, torch.float32, "contiguous", 11), make(n, k, torch.float32, "contiguous", 12)
+        b, dy = make(1, n, torch.float32, "contiguous", 13)[0], make(m, n, torch.float32, "contiguous", 14)
+
+        def run():
+            return [ops.linear(x, w, b), ops.linear_relu(x, w, b), ops.linear_backward_input(dy, w),
+                    ops.linear_backward_weight(dy, x), ops.linear_backward_bias(dy)]
+
+        with cpu_path(path):
+            with num_threads(1):
+                single = run()
+            with num_threads(2):
+                first, second = run(), run()
+        for one, two, again in zip(single, first, second):
+            assert torch.equal(two, again), f"{path}: two runs differ for M={m} N={n} K={k}"
+            assert torch.equal(one, two), f"{path}: 1 and 2 threads differ for M={m} N={n} K={k}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sum_rows_over_many_columns(layout):
+    # sum_rows splits columns into tasks of 1024 (gemm.cpp); cross that and use both inner loops.
+    for m, n in [(1, 1), (3, 1023), (70, 1025), (300, 2049)]:
+        dy = make(m, n, torch.float64, layout, m + n)
+        assert_close(ops.linear_backward_bias(dy), dy.sum(0), torch.float64, m)
+        with num_threads(1):
+            single = ops.linear_backward_bias(dy.float())
+        with num_threads(2):
+            assert torch.equal(ops.linear_backward_bias(dy.float()), single)
+
+
+def test_set_cpu_path_names_the_active_path():
+    for path in PATHS:
+        with cpu_path(path):
+            assert ops.cpu_path() == path
+    assert ops.cpu_path() == PATHS[-1], "the best path this CPU supports is active by default"
