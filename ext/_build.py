@@ -228,13 +228,13 @@ def _clear_interrupted_build(directory: Path) -> None:
 
 def _import_cpp_extension(config: BuildConfig):
     """Imports torch.utils.cpp_extension so that it finds the right CUDA toolkit,
-    and without its "No CUDA runtime is found" warning for CPU-only builds."""
+    and without its "No CUDA runtime is found" warning: a CPU-only build needs no
+    CUDA, and a forced CUDA build on a machine without a GPU is what was asked for."""
     if config.with_cuda:
         os.environ.setdefault("CUDA_HOME", _find_cuda_home())
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
-    if not config.with_cuda:
-        logger.setLevel(logging.ERROR)
+    logger.setLevel(logging.ERROR)
     try:
         from torch.utils import cpp_extension
     finally:

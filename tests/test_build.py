@@ -2,9 +2,11 @@
 recovery from a killed build, compile errors, and `python -m ext`.
 
 Fresh builds run in subprocesses (one process can load only one copy of the ops)
-into temporary cache roots; there are two of them, ~10 s each."""
+into temporary cache roots: two CPU builds (~10-20 s each) and one CUDA build for one architecture (~60 s)."""
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -177,3 +179,22 @@ def test_killed_build_is_detected_and_cleared(tmp_path):
     assert (f"a previous build in {directory} was interrupted; clearing torch's stale lock file "
             "and partial outputs and rebuilding") in result.stderr
     assert (directory / "manifest.json").exists() and not (directory / "lock").exists()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
+                    reason="no CUDA toolkit (nvcc) here to compile the CUDA kernels")
+def test_forced_cuda_build_compiles_loads_and_keeps_the_cpu_kernels(tmp_path):
+    # One architecture halves nvcc's time; the default list is checked without compiling above.
+    env = {**cpu_build_env(tmp_path), "LINEAR_LAB_CUDA": "1", "TORCH_CUDA_ARCH_LIST": "8.0"}
+    expected = "with CUDA for sm_80"
+    code = ("import torch, ext; print(torch._C._dispatch_dump('ext::linear')); "
+            "print(ext.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())")
+    result = run_python(code, env)
+    assert result.returncode == 0, result.stderr
+    assert f"building the extension ({expected}) into " in result.stderr
+    assert "No CUDA runtime" not in result.stderr
+    assert re.search(r"^CUDA: registered at .*cuda/linear_cuda\.cu", result.stdout, re.MULTILINE)
+    assert result.stdout.splitlines()[-1] == "24.0"  # the CPU kernels still answer CPU tensors
+    report = subprocess.run([sys.executable, "-m", "ext"], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert f"kernels:        {expected}\n" in report.stdout
