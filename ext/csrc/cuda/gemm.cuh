@@ -123,28 +123,44 @@ __device__ __forceinline__ RunOrigin run_origin(bool runs_along_k) {
                       : RunOrigin{(t % runs_per_outer_row) * kRun, t / runs_per_outer_row};
 }
 
-// Reads this thread's run of the tile at (outer0, k0) into registers; zeros past the edges.
+// This thread's place in one operand, set up once: the offset of its run in the current K
+// tile (moved on by kBlockK columns per tile) and how many of the run's outer indices exist
+// (0 past the edge, kRun inside). Kept small: every register here is one the 8 x 8
+// accumulators cannot use.
+struct RunCursor {
+  int64_t offset;
+  int outer_valid;
+  int k_origin;  // the run's k within the K tile
+};
+
 template <typename T>
-__device__ __forceinline__ void fetch_run(const TileOperand<T>& op, int64_t K, int64_t outer0, int64_t k0,
-                                          acc_t<T> (&run)[kRun]) {
+__device__ __forceinline__ RunCursor start_cursor(const TileOperand<T>& op, int64_t outer0) {
   const RunOrigin origin = run_origin(op.runs_along_k);
   const int64_t o = outer0 + origin.outer;
-  const int64_t k = k0 + origin.k;
-  const int64_t o_step = op.runs_along_k ? 0 : 1;
-  const int64_t k_step = op.runs_along_k ? 1 : 0;
-  const bool whole_run = o + (kRun - 1) * o_step < op.outer_size && k + (kRun - 1) * k_step < K;
+  const int64_t outer_left = op.outer_size - o;
+  const int outer_valid = outer_left <= 0 ? 0 : outer_left >= kRun ? kRun : int(outer_left);
+  return {o * op.outer_stride + origin.k * op.k_stride, outer_valid, origin.k};
+}
+
+// Reads this thread's run of the current K tile into registers, zeros past the edges;
+// k_left is K minus the tile's first k.
+template <typename T>
+__device__ __forceinline__ void fetch_run(const TileOperand<T>& op, const RunCursor& cursor, int64_t k_left,
+                                          acc_t<T> (&run)[kRun]) {
+  const int o_step = op.runs_along_k ? 0 : 1;
+  const int k_step = op.runs_along_k ? 1 : 0;
+  const bool whole_run = (kRun - 1) * o_step < cursor.outer_valid && cursor.k_origin + (kRun - 1) * k_step < k_left;
   if (op.wide_loads && whole_run) {
-    const Run<T> loaded = *reinterpret_cast<const Run<T>*>(op.ptr + o * op.outer_stride + k * op.k_stride);
+    const Run<T> loaded = *reinterpret_cast<const Run<T>*>(op.ptr + cursor.offset);
 #pragma unroll
     for (int i = 0; i < kRun; ++i) run[i] = to_acc(loaded.v[i]);
     return;
   }
+  const int64_t step = op.runs_along_k ? op.k_stride : op.outer_stride;
 #pragma unroll
   for (int i = 0; i < kRun; ++i) {
-    const int64_t oi = o + i * o_step;
-    const int64_t ki = k + i * k_step;
-    const bool inside = oi < op.outer_size && ki < K + kKBoundSlack;
-    run[i] = inside ? to_acc(op.ptr[oi * op.outer_stride + ki * op.k_stride]) : acc_t<T>(0);
+    const bool inside = i * o_step < cursor.outer_valid && cursor.k_origin + i * k_step < k_left + kKBoundSlack;
+    run[i] = inside ? to_acc(op.ptr[cursor.offset + i * step]) : acc_t<T>(0);
   }
 }
 
@@ -207,10 +223,12 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const GemmParams<T> p) {
   const int row0 = (int(threadIdx.x) / kThreadsN) * kRun;  // this thread's first row (and col) in the tile
   const int col0 = (int(threadIdx.x) % kThreadsN) * kRun;
 
+  RunCursor a_cursor = start_cursor(p.a, m0);
+  RunCursor b_cursor = start_cursor(p.b, n0);
   Acc a_run[kRun];
   Acc b_run[kRun];
-  fetch_run(p.a, p.K, m0, 0, a_run);
-  fetch_run(p.b, p.K, n0, 0, b_run);
+  fetch_run(p.a, a_cursor, p.K, a_run);
+  fetch_run(p.b, b_cursor, p.K, b_run);
   store_run(p.a.runs_along_k, a_run, a_tiles[0]);
   store_run(p.b.runs_along_k, b_run, b_tiles[0]);
   __syncthreads();
@@ -221,8 +239,11 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const GemmParams<T> p) {
     const int current = int(kt & 1);
     const bool has_next = kt + 1 < k_tiles;
     if (has_next) {  // issue the next tile's global loads now; they land while the FMAs below run
-      fetch_run(p.a, p.K, m0, (kt + 1) * kBlockK, a_run);
-      fetch_run(p.b, p.K, n0, (kt + 1) * kBlockK, b_run);
+      const int64_t k_left = p.K - (kt + 1) * kBlockK;
+      a_cursor.offset += kBlockK * p.a.k_stride;
+      b_cursor.offset += kBlockK * p.b.k_stride;
+      fetch_run(p.a, a_cursor, k_left, a_run);
+      fetch_run(p.b, b_cursor, k_left, b_run);
     }
     multiply_tiles(a_tiles[current], b_tiles[current], row0, col0, acc);
     if (has_next) {
@@ -234,21 +255,28 @@ __global__ void __launch_bounds__(kThreads) gemm_kernel(const GemmParams<T> p) {
     EXT_TILE_BARRIER();
   }
 
-  // Epilogue: bias and ReLU fused into the one store of C.
-  const int64_t M = p.a.outer_size;
-  const int64_t N = p.b.outer_size;
+  // Epilogue: bias and ReLU fused into the one store of C. Tile-relative 32-bit indices and
+  // one row pointer at a time keep the 64 accumulators' neighbours few (no spills).
+  const int rows_left = p.a.outer_size - m0 < kBlockM ? int(p.a.outer_size - m0) : kBlockM;
+  const int cols_left = p.b.outer_size - n0 < kBlockN ? int(p.b.outer_size - n0) : kBlockN;
+  Acc bias[kThreadN];
 #pragma unroll
   for (int j = 0; j < kThreadN; ++j) {
-    const int64_t col = n0 + (j / kRun) * kHalfTile + col0 + j % kRun;
-    if (col >= N) continue;
-    const Acc bias = p.bias != nullptr ? to_acc(p.bias[col]) : Acc(0);
+    const int col = (j / kRun) * kHalfTile + col0 + j % kRun;
+    bias[j] = p.bias != nullptr && col < cols_left ? to_acc(p.bias[n0 + col]) : Acc(0);
+  }
 #pragma unroll
-    for (int i = 0; i < kThreadM; ++i) {
-      const int64_t row = m0 + (i / kRun) * kHalfTile + row0 + i % kRun;
-      if (row >= M) continue;
-      Acc value = acc[i][j] + bias;
+  for (int i = 0; i < kThreadM; ++i) {
+    const int row = (i / kRun) * kHalfTile + row0 + i % kRun;
+    if (row >= rows_left) continue;
+    T* c_row = p.c + (m0 + row) * p.ldc + n0;
+#pragma unroll
+    for (int j = 0; j < kThreadN; ++j) {
+      const int col = (j / kRun) * kHalfTile + col0 + j % kRun;
+      if (col >= cols_left) continue;
+      Acc value = acc[i][j] + bias[j];
       if (p.relu && value < Acc(0)) value = Acc(0);  // NaN passes through, as in torch.relu
-      p.c[row * p.ldc + col] = from_acc<T>(value);
+      c_row[col] = from_acc<T>(value);
     }
   }
 }
