@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.linear` (the linear op vs torch)."""

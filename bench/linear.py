@@ -1,0 +1,199 @@
+"""Kernel benchmark: `ext.linear` against `torch.nn.functional.linear`.
+
+For each shape (batch x in -> out) it times the forward, the backward and both
+together (float32, bias on, input and weight requiring grad) with
+torch.utils.benchmark, alternating torch and ext measurements in one process so
+that a busy moment on the machine hits both. It prints times, GFLOP/s, the ratio
+torch/ext (above 1: ext is faster) and ext's share of this machine's FMA peak,
+measured by the extension itself; then geometric means of the ratios.
+
+Example:
+    python -m bench.linear --threads all,1 --markdown bench_linear.md
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+if __package__ in (None, ""):  # run as `python bench/linear.py`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ext  # noqa: E402
+
+MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
+HEAD_SHAPES = [(128, 512, 10), (128, 2048, 1000)]
+SQUARE_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048)]
+SHAPES = MLP_SHAPES + HEAD_SHAPES + SQUARE_SHAPES
+QUICK_SHAPES = [(128, 784, 256), (128, 256, 10), (1024, 1024, 1024)]
+CUDA_EXTRA_SHAPES = [(4096, 4096, 4096)]
+
+# Flops per pass, in units of M*N*K multiply-adds (2 flops each): the forward is
+# one product, the backward two (dX and dW; db is a sum, negligible).
+PASSES = {"forward": 2, "backward": 4, "fwd+bwd": 6}
+
+
+@dataclass
+class Row:
+    device: str
+    threads: str
+    shape: tuple[int, int, int]
+    pass_name: str
+    torch_s: float
+    ext_s: float
+    peak_gflops: float | None
+
+    @property
+    def flops(self) -> float:
+        m, k, n = self.shape
+        return PASSES[self.pass_name] * m * n * k
+
+    @property
+    def ratio(self) -> float:
+        return self.torch_s / self.ext_s
+
+    def gflops(self, seconds: float) -> float:
+        return self.flops / seconds / 1e9
+
+    def cells(self) -> list[str]:
+        m, k, n = self.shape
+        peak = f"{100 * self.gflops(self.ext_s) / self.peak_gflops:.0f}%" if self.peak_gflops else "-"
+        return [f"{m}x{k}->{n}", self.pass_name, f"{self.torch_s * 1e3:.3f}", f"{self.ext_s * 1e3:.3f}",
+                f"{self.gflops(self.torch_s):.0f}", f"{self.gflops(self.ext_s):.0f}", f"{self.ratio:.2f}", peak]
+
+
+HEADER = ["shape (batch x in->out)", "pass", "torch ms", "ext ms", "torch GFLOP/s", "ext GFLOP/s",
+          "torch/ext", "ext % of FMA peak"]
+
+
+def make_statements(linear, x, w, b, dy):
+    """The three timed statements for one implementation of linear."""
+    forward_out = linear(x, w, b)
+    return {
+        "forward": lambda: linear(x, w, b),
+        "backward": lambda: torch.autograd.grad(forward_out, (x, w, b), dy, retain_graph=True),
+        "fwd+bwd": lambda: torch.autograd.grad(linear(x, w, b), (x, w, b), dy),
+    }
+
+
+def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each statement, measured in alternating rounds."""
+    samples = {name: [] for name in statements}
+    for _ in range(rounds):
+        for name, fn in statements.items():
+            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+            samples[name] += timer.blocked_autorange(min_run_time=min_run_time_s).times
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds) -> list[Row]:
+    m, k, n = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, generator=gen, requires_grad=True)
+    w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).requires_grad_()
+    b = torch.randn(n, device=device, generator=gen, requires_grad=True)
+    dy = torch.randn(m, n, device=device, generator=gen)
+    impls = {"torch": make_statements(F.linear, x, w, b, dy), "ext": make_statements(ext.linear, x, w, b, dy)}
+    rows = []
+    for pass_name in PASSES:
+        medians = time_interleaved({name: impls[name][pass_name] for name in impls}, min_run_time_s, rounds)
+        rows.append(Row(device, threads_label, shape, pass_name, medians["torch"], medians["ext"], peak_gflops))
+    return rows
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def summary_lines(rows: list[Row]) -> list[str]:
+    lines = []
+    for pass_name in PASSES:
+        ratios = [r.ratio for r in rows if r.pass_name == pass_name]
+        mlp = [r.ratio for r in rows if r.pass_name == pass_name and r.shape in MLP_SHAPES]
+        text = f"geomean torch/ext, {pass_name}: all shapes {geomean(ratios):.2f}"
+        if mlp:
+            text += f", MLP shapes {geomean(mlp):.2f}"
+        lines.append(text)
+    return lines
+
+
+def format_text(rows: list[Row]) -> str:
+    """Rows as fixed-width text lines (the widths of HEADER), so rows print as they finish."""
+    return "\n".join("  ".join(cell.rjust(max(len(title), 8)) for cell, title in zip(r.cells(), HEADER)) for r in rows)
+
+
+def format_markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def parse_threads(text: str) -> list[int]:
+    counts = []
+    for item in text.split(","):
+        counts.append(os.cpu_count() if item.strip() == "all" else int(item))
+    return counts
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="all,1", help="comma-separated thread counts; 'all' = every core")
+    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
+    parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
+    args = parser.parse_args(argv)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
+    rounds = args.rounds or (2 if args.quick else 3)
+
+    command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = (f"torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
+              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs")
+    print(header)
+    markdown = [f"`{command.strip()}`", "", header, ""]
+
+    for count in parse_threads(args.threads):
+        torch.set_num_threads(count)
+        peak = torch.ops.ext.fma_peak_gflops(count)
+        title = f"CPU, {count} thread{'s' if count > 1 else ''} (measured FMA peak {peak:.0f} GFLOP/s)"
+        print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
+        rows = []
+        for shape in shapes:
+            shape_rows = bench_shape(shape, "cpu", str(count), peak, min_run_time_s, rounds)
+            print(format_text(shape_rows), flush=True)
+            rows += shape_rows
+        summary = summary_lines(rows)
+        print("\n".join(summary))
+        markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
+
+    if torch.cuda.is_available():
+        torch.set_num_threads(os.cpu_count())
+        title = f"CUDA, {torch.cuda.get_device_name()} (vs cuBLAS)"
+        print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
+        rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
+                for row in bench_shape(shape, "cuda", "-", None, min_run_time_s, rounds)]
+        print(format_text(rows))
+        summary = summary_lines(rows)
+        print("\n".join(summary))
+        markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
+    else:
+        skipped = "CUDA: skipped (torch.cuda.is_available() is False: this machine has no usable GPU)"
+        print("\n" + skipped)
+        markdown += [skipped, ""]
+
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(markdown))
+        print(f"\nmarkdown written to {args.markdown}")
+
+
+if __name__ == "__main__":
+    main()
