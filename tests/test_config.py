@@ -1,0 +1,141 @@
+"""conf/: every option of every group composes and builds; bad settings fail in one line."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch import nn
+
+import data
+import ext
+import train
+from test_data import write_tiny_cifar10, write_tiny_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+GROUPS = ("model", "linear", "data", "optim", "sched")
+TINY_FAKE = ["data=fake", "data.train_size=8", "data.val_size=4", "data.image_size=[3,16,16]"]
+
+
+def options(group):
+    return sorted(path.stem for path in (REPO / "conf" / group).glob("*.yaml"))
+
+
+def test_groups_offer_the_documented_options():
+    assert {group: options(group) for group in GROUPS} == {
+        "model": ["mlp", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50"],
+        "linear": ["custom", "torch"],
+        "data": ["cifar10", "digits", "fake", "fashion_mnist", "mnist"],
+        "optim": ["adamw", "sgd"],
+        "sched": ["cosine", "none", "onecycle"],
+    }
+
+
+def build(cfg):
+    """What fit() builds before its first epoch: data, model, optimizer, scheduler, loaders."""
+    dataset = data.load_data(**train.dataset_options(cfg.data))
+    return dataset, *train.build_training(cfg, dataset, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("model", options("model"))
+def test_every_model_composes_builds_and_runs(model):
+    cfg = train.load_config([f"model={model}", *TINY_FAKE])
+    train.validate(cfg)
+    dataset, net, optimizer, scheduler, train_loader, val_loader = build(cfg)
+    images, labels = next(iter(train_loader))
+    assert net(images[:2]).shape == (2, dataset.num_classes)
+
+
+@pytest.mark.parametrize("name", options("data"))
+def test_every_dataset_composes_and_builds(name, tmp_path):
+    write_tiny_mnist(tmp_path, "MNIST")
+    write_tiny_mnist(tmp_path, "FashionMNIST")
+    write_tiny_cifar10(tmp_path)
+    overrides = [f"data={name}", f"data.root={tmp_path}"]
+    if name == "fake":
+        overrides += ["data.train_size=8", "data.val_size=4"]
+    cfg = train.load_config(overrides)
+    train.validate(cfg)
+    dataset, net, *_, train_loader, val_loader = build(cfg)
+    assert len(dataset.train_labels) > 0 and len(dataset.val_labels) > 0
+    images, labels = next(iter(train_loader))
+    assert images.shape[1:] == dataset.image_shape and net(images).shape == (len(labels), dataset.num_classes)
+
+
+def test_linear_custom_swaps_every_linear_and_keeps_the_initial_weights():
+    nets = {}
+    for linear in options("linear"):
+        cfg = train.load_config([f"linear={linear}", "model.hidden_sizes=[32,16]"])
+        _, nets[linear], *_ = build(cfg)
+    types = {linear: [type(m) for m in net.modules() if isinstance(m, nn.Linear)] for linear, net in nets.items()}
+    assert types["torch"] == [nn.Linear] * 3 and types["custom"] == [ext.Linear] * 3
+    torch_state, custom_state = nets["torch"].state_dict(), nets["custom"].state_dict()
+    assert list(torch_state) == list(custom_state)
+    assert all(torch.equal(torch_state[key], custom_state[key]) for key in torch_state)
+
+
+@pytest.mark.parametrize("optim", options("optim"))
+@pytest.mark.parametrize("sched", options("sched"))
+def test_every_optimizer_and_schedule_builds_and_steps(optim, sched):
+    epochs = 10
+    cfg = train.load_config([f"optim={optim}", f"sched={sched}", f"trainer.epochs={epochs}"])
+    params = [nn.Parameter(torch.zeros(3))]
+    optimizer = instantiate(cfg.optim, params=params)
+    scheduler = instantiate(cfg.sched, optimizer=optimizer)
+    lrs = []
+    for _ in range(epochs):  # the trainer steps schedulers once per epoch
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    peak = cfg.optim.lr
+    if sched == "none":
+        assert lrs == [peak] * epochs
+    elif sched == "cosine":
+        assert lrs[0] == peak and all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 0.05 * peak
+    else:  # onecycle: warm up to optim.lr, then anneal
+        top = lrs.index(max(lrs))
+        assert 0 < top < epochs - 1 and max(lrs) == pytest.approx(peak) and lrs[0] < peak / 10
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.epochs=0", "trainer.epochs=0 is invalid: it must be a positive integer"),
+    ("trainer.epochs=abc", "trainer.epochs=abc is invalid"),
+    ("data.batch_size=-3", "data.batch_size=-3 is invalid"),
+    ("data.num_workers=-1", "data.num_workers=-1 is invalid"),
+    ("data.loader=threads", "data.loader=threads is invalid: it must be one of memory, dataloader"),
+    ("optim.lr=0", "optim.lr=0 is invalid"),
+    ("model.hidden_sizes=[64,0]", "model.hidden_sizes=[64, 0] is invalid"),
+    ("model.activation=swish", "model.activation=swish is invalid"),
+    ("model.dropout=1.0", "model.dropout=1.0 is invalid"),
+    ("trainer.device=tpu", "trainer.device=tpu is invalid"),
+    ("~seed", "seed is missing"),
+])
+def test_validate_names_the_bad_setting(override, message):
+    with pytest.raises(train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        train.validate(train.load_config([override]))
+
+
+def test_cuda_device_is_rejected_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(train.ConfigError, match="trainer.device=cuda is invalid"):
+        train.validate(train.load_config(["trainer.device=cuda"]))
+
+
+@pytest.mark.parametrize("args, names", [
+    (["model=resnet19"], ["model=resnet19", "resnet18"]),
+    (["trainer.epochs=-1"], ["trainer.epochs=-1"]),
+    (["data.batch_size=0"], ["data.batch_size=0"]),
+    (["-m", "linear=torch,cuda"], ["linear=cuda", "custom, torch"]),
+    (["trainer.epoch=3"], ["trainer.epoch", "+trainer.epoch=3"]),
+])
+def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, names):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if "No CUDA runtime" not in line]  # torch's own notice
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert all(name in lines[0] for name in names)
+    assert not (tmp_path / "outputs").exists()
