@@ -1,0 +1,145 @@
+"""train.py end to end: accuracy on digits, TensorBoard and train.log contents, checkpoints, multirun."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+import models
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "throughput/train_samples_per_s", "lr"]
+EPOCHS = 4
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory):
+    """The default run (MLP on digits) for a few epochs with each linear, from the same seed."""
+    runs = {}
+    for linear in ("custom", "torch"):
+        run_dir = tmp_path_factory.mktemp(linear)
+        val_acc = train.fit(train.load_config([f"linear={linear}", f"trainer.epochs={EPOCHS}"]), run_dir)
+        runs[linear] = run_dir, val_acc
+    return runs
+
+
+def events(run_dir):
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return accumulator
+
+
+def test_digits_reaches_90_percent_and_both_linears_agree(digits_runs):
+    custom_acc, torch_acc = digits_runs["custom"][1], digits_runs["torch"][1]
+    assert custom_acc >= 0.90
+    assert abs(custom_acc - torch_acc) <= 0.01
+
+
+@pytest.mark.parametrize("linear", ["custom", "torch"])
+def test_tensorboard_holds_every_tag_once_per_epoch(digits_runs, linear):
+    run_dir, val_acc = digits_runs[linear]
+    accumulator = events(run_dir)
+    assert set(accumulator.Tags()["scalars"]) == {*EPOCH_TAGS, "time/epoch_s_mean"}
+    for tag in EPOCH_TAGS:
+        assert [event.step for event in accumulator.Scalars(tag)] == list(range(1, EPOCHS + 1)), tag
+    assert accumulator.Scalars("val/acc")[-1].value == pytest.approx(val_acc)
+    epoch_s = [event.value for event in accumulator.Scalars("time/epoch_s")]
+    assert all(value > 0 for value in epoch_s)
+    assert accumulator.Scalars("time/epoch_s_mean")[0].value == pytest.approx(sum(epoch_s) / EPOCHS, rel=1e-5)
+    lrs = [event.value for event in accumulator.Scalars("lr")]
+    assert lrs[0] == pytest.approx(1e-3) and lrs == sorted(lrs, reverse=True)  # cosine decay
+    assert not [path for path in run_dir.iterdir() if path.is_dir()]  # hparams live in the run's own folder
+
+
+def test_hparams_dashboard_has_the_runs_choices_and_final_metrics(digits_runs):
+    content = events(digits_runs["custom"][0]).PluginTagToContent("hparams")
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert [metric.name.tag for metric in experiment.metric_infos] == ["val/acc", "time/epoch_s_mean"]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hparams = {key: value.string_value or value.number_value for key, value in start.session_start_info.hparams.items()}
+    expected_params = sum(p.numel() for p in models.build_model("mlp", 10, 1, image_size=(8, 8)).parameters())
+    assert {key: hparams[key] for key in ("model", "linear", "data", "optimizer", "scheduler")} == {
+        "model": "mlp", "linear": "custom", "data": "digits", "optimizer": "AdamW", "scheduler": "CosineAnnealingLR"
+    }
+    assert hparams["lr"] == 1e-3 and hparams["batch_size"] == 64 and hparams["epochs"] == EPOCHS
+    assert hparams["num_params"] == expected_params and hparams["model.hidden_sizes"] == "[256, 256]"
+
+
+def test_train_log_has_one_line_per_epoch_and_a_summary(digits_runs):
+    run_dir, val_acc = digits_runs["custom"]
+    text = (run_dir / "train.log").read_text()
+    epochs = re.findall(r"epoch (\d+)/\d+: train loss [\d.]+ acc [\d.]+% \| val loss [\d.]+ acc ([\d.]+)%", text)
+    assert [int(epoch) for epoch, _ in epochs] == list(range(1, EPOCHS + 1))
+    final = re.findall(r"final: val acc ([\d.]+)% \| mean epoch [\d.]+ s \| (.*)", text)
+    assert len(final) == 1 and float(final[0][0]) == pytest.approx(100 * val_acc, abs=0.005)
+    assert final[0][1].startswith("mlp linear=custom on digits | AdamW lr=0.001")
+
+
+def test_last_checkpoint_holds_the_final_state(digits_runs):
+    run_dir, _ = digits_runs["custom"]
+    checkpoint = torch.load(run_dir / "last.pt", weights_only=False)
+    assert checkpoint["epoch"] == EPOCHS and checkpoint["config"]["linear"]["name"] == "custom"
+    plain = models.build_model("mlp", 10, 1, image_size=(8, 8))
+    plain.load_state_dict(checkpoint["model"])  # a custom run's weights load into nn.Linear layers
+    assert {"optimizer", "scheduler"} <= set(checkpoint) and not list(run_dir.glob("*.tmp"))
+
+
+def test_save_atomic_keeps_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "last.pt"
+    train.save_atomic({"epoch": 1}, path)
+    with pytest.raises(Exception):
+        train.save_atomic({"epoch": 2, "broken": lambda: None}, path)  # lambdas cannot be pickled
+    assert torch.load(path)["epoch"] == 1
+    train.save_atomic({"epoch": 3}, path)
+    assert torch.load(path)["epoch"] == 3 and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def run_train(args, cwd):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def test_single_run_folder_is_dated_and_named_after_its_choices(tmp_path):
+    result = run_train(["trainer.epochs=1", "optim.lr=0.002"], cwd=tmp_path)
+    (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", run_dir.parent.name)
+    assert re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}_mlp-custom-digits_optim\.lr=0\.002,trainer\.epochs=1", run_dir.name)
+    assert {"train.log", "last.pt", ".hydra"} <= {path.name for path in run_dir.iterdir()}
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    assert "\r" not in result.stderr + result.stdout  # not a terminal: plain lines, no progress bars
+    assert re.search(r"^epoch 1/1: train loss", result.stdout, re.MULTILINE)
+
+
+def test_multirun_writes_one_folder_per_job(tmp_path):
+    run_train(["-m", "linear=torch,custom", "trainer.epochs=1"], cwd=tmp_path)
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    job_dirs = sorted(path.name for path in sweep_dir.iterdir() if path.is_dir())
+    assert job_dirs == ["0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
+    for name in job_dirs:
+        assert events(sweep_dir / name).Scalars("val/acc")[0].step == 1
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys, terminal):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    train.fit(train.load_config(["trainer.epochs=1", "linear=torch"]), tmp_path)
+    shown = capsys.readouterr().err
+    assert ("epoch 1/1" in shown and "img/s" in shown) == terminal
+
+
+def test_run_names_stay_single_folders():
+    assert train.run_name("mlp", "custom", "digits", "") == "mlp-custom-digits"
+    assert train.run_name("mlp", "torch", "fake", "data.image_size=[1,28,28],x=/a/b") == (
+        "mlp-torch-fake_data.image_size=[1,28,28],x=-a-b"
+    )
+    assert re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}", train.run_time())
