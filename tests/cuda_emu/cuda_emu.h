@@ -22,13 +22,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 #include <thread>
 #include <vector>
 
 #define __global__
 #define __device__
-#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
@@ -100,7 +98,7 @@ constexpr int kBarrierTimeoutExit = 86;
 
 inline double barrier_timeout_s() {
   const char* text = std::getenv("EMU_BARRIER_TIMEOUT_S");
-  return text != nullptr ? std::atof(text) : 10.0;
+  return text != nullptr ? std::atof(text) : 30.0;
 }
 
 // The running block: its barrier and who has left the kernel.
