@@ -135,7 +135,11 @@ def load_library(env=os.environ) -> dict:
     directory = build_dir(config, env)
     manifest = _read_manifest(directory)
     if manifest is None:
-        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise BuildError(f"cannot create the build cache {directory.parent} ({error.strerror}); "
+                             "set LINEAR_LAB_BUILD_DIR to a writable directory") from None
         with _exclusive_lock(directory.with_name(directory.name + ".lock"), directory):
             manifest = _read_manifest(directory)  # another process may have built it meanwhile
             if manifest is None:
@@ -145,10 +149,12 @@ def load_library(env=os.environ) -> dict:
 
 
 def _read_manifest(directory: Path) -> dict | None:
+    """The manifest of a complete build in directory, else None."""
     try:
-        return json.loads((directory / MANIFEST_NAME).read_text())
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
     except FileNotFoundError:
         return None
+    return manifest if (directory / manifest["library"]).is_file() else None
 
 
 @contextmanager
@@ -223,7 +229,11 @@ def _clear_interrupted_build(directory: Path) -> None:
     leftovers = "torch's stale lock file and partial outputs" if (
         directory / TORCH_LOCK_NAME).exists() else "partial outputs"
     _say(f"a previous build in {directory} was interrupted; clearing {leftovers} and rebuilding")
-    shutil.rmtree(directory)
+    # Rename first: compilers orphaned by the killed build may still be writing
+    # (relative to their working directory, which moves with the rename).
+    stale = directory.with_name(f"{directory.name}.stale-{os.getpid()}")
+    directory.rename(stale)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _import_cpp_extension(config: BuildConfig):

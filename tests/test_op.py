@@ -270,7 +270,7 @@ ERROR_CASES = {
     "backward_bias 1-D": (lambda: torch.ops.ext.linear_backward_bias(torch.randn(4)),
                           RuntimeError, "grad_output must be 2-D"),
     "unknown cpu path": (lambda: torch.ops.ext.set_cpu_path("sse9"),
-                         RuntimeError, "unknown path 'sse9'; use 'portable' or 'avx2+fma'"),
+                         RuntimeError, "unknown path 'sse9'; use 'portable', 'avx2+fma' or 'avx512'"),
 }
 
 

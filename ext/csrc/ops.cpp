@@ -89,15 +89,11 @@ at::Tensor linear_backward_bias_cpu(const at::Tensor& grad_output) {
 std::string cpu_path() { return cpu::cpu_path_name(cpu::active_cpu_path()); }
 
 void set_cpu_path(const std::string& name) {
-  if (name == cpu::cpu_path_name(cpu::CpuPath::Portable)) {
-    cpu::set_cpu_path(cpu::CpuPath::Portable);
-  } else if (name == cpu::cpu_path_name(cpu::CpuPath::Avx2Fma)) {
-    TORCH_CHECK(cpu::best_cpu_path() == cpu::CpuPath::Avx2Fma,
-                "ext.set_cpu_path: this CPU has no AVX2+FMA");
-    cpu::set_cpu_path(cpu::CpuPath::Avx2Fma);
-  } else {
-    TORCH_CHECK(false, "ext.set_cpu_path: unknown path '", name, "'; use 'portable' or 'avx2+fma'");
-  }
+  const auto path = cpu::cpu_path_from_name(name);
+  TORCH_CHECK(path.has_value(), "ext.set_cpu_path: unknown path '", name,
+              "'; use 'portable', 'avx2+fma' or 'avx512'");
+  TORCH_CHECK(cpu::cpu_supports(*path), "ext.set_cpu_path: this CPU cannot run the ", name, " path");
+  cpu::set_cpu_path(*path);
 }
 
 #ifndef LINEAR_LAB_WITH_CUDA
