@@ -91,7 +91,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """Y = input · weightᵀ + bias with our kernels; the same contract as F.linear.
 
     input (*, in_features) with any number of leading dimensions (or 1-D), weight
-    (out_features, in_features) or (in_features,), bias (out_features,), a scalar, or None.
+    (out_features, in_features) or (in_features,), bias (out_features,), one element, or None.
 
     Example:
         >>> y = ext.linear(torch.randn(8, 3, 784), torch.randn(256, 784), torch.randn(256))
@@ -112,6 +112,8 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _apply(op, input, weight, bias):
     """Adapts F.linear's shapes to the 2-D op: flatten leading dims, call, restore."""
+    if input.dim() == 2 and weight.dim() == 2 and (bias is None or bias.shape == weight.shape[:1]):
+        return op(input, weight, bias)  # the common case, kept cheap: it runs every layer, every step
     if input.dim() == 0 or weight.dim() == 0:
         raise ValueError(f"ext.linear: input and weight must be at least 1-D, got shapes "
                          f"{tuple(input.shape)} and {tuple(weight.shape)}")
@@ -120,8 +122,8 @@ def _apply(op, input, weight, bias):
                          f"shape {tuple(weight.shape)}")
     out_features = weight.shape[0] if weight.dim() == 2 else 1
     weight_2d = weight if weight.dim() == 2 else weight.unsqueeze(0)
-    if bias is not None and bias.dim() == 0:
-        bias = bias.expand(out_features)
+    if bias is not None and bias.dim() <= 1 and bias.numel() == 1:
+        bias = bias.expand(out_features)  # F.linear broadcasts a one-element bias
     input_2d = input.unsqueeze(0) if input.dim() == 1 else input.flatten(0, -2)
     output = op(input_2d, weight_2d, bias)
     leading = input.shape[:-1]

@@ -115,9 +115,10 @@ def test_f_linear_contract(case, dtype):
     check_against_torch(ext.linear, F.linear, input, weight, bias)
 
 
-def test_scalar_bias_broadcasts_like_f_linear():
+@pytest.mark.parametrize("bias_shape", [(), (1,)])
+def test_one_element_bias_broadcasts_like_f_linear(bias_shape):
     input, weight = torch.randn(4, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
-    check_against_torch(ext.linear, F.linear, input, weight, torch.tensor(0.5, dtype=torch.float64))
+    check_against_torch(ext.linear, F.linear, input, weight, torch.randn(bias_shape, dtype=torch.float64))
 
 
 def test_non_contiguous_views():
