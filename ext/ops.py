@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 
-def _check_fake_linear(input, weight, bias):
+def _linear_fake(input, weight, bias):
+    """Shape and dtype of linear and linear_relu, with the shape checks of checks.h."""
     torch._check(input.dim() == 2 and weight.dim() == 2,
                  lambda: f"ext.linear: input and weight must be 2-D, got {tuple(input.shape)} "
                          f"and {tuple(weight.shape)}")
@@ -17,18 +18,11 @@ def _check_fake_linear(input, weight, bias):
                          f"{weight.shape[1]}")
     torch._check(bias is None or tuple(bias.shape) == (weight.shape[0],),
                  lambda: f"ext.linear: bias must have shape [{weight.shape[0]}]")
-
-
-@torch.library.register_fake("ext::linear")
-def _linear_fake(input, weight, bias):
-    _check_fake_linear(input, weight, bias)
     return input.new_empty((input.shape[0], weight.shape[0]))
 
 
-@torch.library.register_fake("ext::linear_relu")
-def _linear_relu_fake(input, weight, bias):
-    _check_fake_linear(input, weight, bias)
-    return input.new_empty((input.shape[0], weight.shape[0]))
+torch.library.register_fake("ext::linear", _linear_fake)
+torch.library.register_fake("ext::linear_relu", _linear_fake)
 
 
 @torch.library.register_fake("ext::linear_backward_input")

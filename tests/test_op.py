@@ -212,6 +212,13 @@ def test_opcheck(dtype, M, N, K, layout):
         torch.library.opcheck(op, args)
 
 
+def test_meta_tensors_get_shapes_and_shape_errors():
+    output = ext.linear(torch.empty(2, 3, 7, device="meta"), torch.empty(5, 7, device="meta"))
+    assert output.shape == (2, 3, 5) and output.device.type == "meta"
+    with pytest.raises(RuntimeError, match="input has 7 features but weight expects 6"):
+        ext.linear_relu(torch.empty(4, 7, device="meta"), torch.empty(5, 6, device="meta"))
+
+
 def test_backward_ops_match_their_definitions():
     grad_output, weight, input = (torch.randn(*shape, dtype=torch.float64) for shape in [(5, 3), (3, 7), (5, 7)])
     torch.testing.assert_close(torch.ops.ext.linear_backward_input(grad_output, weight), grad_output @ weight)
