@@ -1,0 +1,69 @@
+"""The whole training step, linear=torch against linear=custom: model=mlp on fake MNIST-size data.
+
+    python -m bench.train                      # 60,000 x 1x28x28, batch 128, 1 warm-up + 5 timed epochs each
+    python -m bench.train --epochs 3 --train-size 10000
+
+Both models start from the same weights and train on the same in-memory batches through the trainer's own
+train_one_epoch; their epochs alternate (torch, custom, torch, ...) so that a busy moment on the machine
+hits both alike. Epoch times are the trainer's time/epoch_s.
+"""
+import argparse
+import statistics
+
+import data
+import train
+
+LINEARS = ("torch", "custom")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per linear (after one warm-up)")
+    parser.add_argument("--train-size", type=int, default=60_000)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. model.hidden_sizes=[512,512]")
+    args = parser.parse_args(argv)
+
+    configs = {
+        linear: train.load_config([
+            "model=mlp", f"linear={linear}", "data=fake", "data.image_size=[1,28,28]",
+            f"data.train_size={args.train_size}", "data.val_size=16", f"data.batch_size={args.batch_size}",
+            "data.loader=memory", *args.overrides,
+        ])
+        for linear in LINEARS
+    }
+    for cfg in configs.values():
+        train.validate(cfg)
+    device = train.pick_device(configs["torch"].trainer.device)
+    print(f"loading fake data: {args.train_size:,} x 1x28x28 ...", flush=True)
+    dataset = data.load_data(**train.dataset_options(configs["torch"].data))
+    runs = {}
+    for linear, cfg in configs.items():
+        model, optimizer, _, train_loader, _ = train.build_training(cfg, dataset, device)
+        runs[linear] = model, train_loader, optimizer
+
+    epoch_times_s = {linear: [] for linear in LINEARS}
+    for epoch in range(args.epochs + 1):
+        for linear in LINEARS:
+            model, loader, optimizer = runs[linear]
+            stats = train.train_one_epoch(model, loader, optimizer, device)
+            if epoch > 0:  # the first epoch warms up caches and allocators
+                epoch_times_s[linear].append(stats.epoch_s)
+            print(f"epoch {epoch}{' (warm-up)' if epoch == 0 else ''} linear={linear}: "
+                  f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}", flush=True)
+
+    print(f"\nmodel=mlp {list(configs['torch'].model.hidden_sizes)}, {args.train_size:,} x 1x28x28, "
+          f"batch {args.batch_size}, {device}, {args.epochs} timed epochs each")
+    means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}
+    medians_s = {linear: statistics.median(times) for linear, times in epoch_times_s.items()}
+    for linear in LINEARS:
+        print(f"linear={linear:<6}  mean epoch {means_s[linear]:.3f} s  median {medians_s[linear]:.3f} s  "
+              f"min {min(epoch_times_s[linear]):.3f} s  {args.train_size / means_s[linear]:,.0f} samples/s")
+    # the median shrugs off an epoch slowed by other work on a shared machine; the mean does not
+    print(f"ratio torch/custom (above 1: custom is faster): mean {means_s['torch'] / means_s['custom']:.2f}, "
+          f"median {medians_s['torch'] / medians_s['custom']:.2f}")
+    return means_s
+
+
+if __name__ == "__main__":
+    main()
