@@ -42,11 +42,11 @@ def _linear_backward_bias_fake(grad_output):
     return grad_output.new_empty((grad_output.shape[1],))
 
 
-def _save_operands(ctx, inputs):
-    """Saves only the operand each requested gradient needs: dX needs W, dW needs X."""
-    input, weight, bias = inputs
-    ctx.save_for_backward(input if ctx.needs_input_grad[1] else None,
-                          weight if ctx.needs_input_grad[0] else None)
+def _needed_operands(ctx, inputs):
+    """Only the operands the requested gradients need: dX needs W, dW needs X."""
+    input, weight, _ = inputs
+    return (input if ctx.needs_input_grad[1] else None,
+            weight if ctx.needs_input_grad[0] else None)
 
 
 def _operand_grads(ctx, grad_output, input, weight):
@@ -57,7 +57,7 @@ def _operand_grads(ctx, grad_output, input, weight):
 
 
 def _linear_setup_context(ctx, inputs, output):
-    _save_operands(ctx, inputs)
+    ctx.save_for_backward(*_needed_operands(ctx, inputs))
 
 
 def _linear_backward(ctx, grad_output):
@@ -66,13 +66,13 @@ def _linear_backward(ctx, grad_output):
 
 
 def _linear_relu_setup_context(ctx, inputs, output):
-    _save_operands(ctx, inputs)
-    ctx.output = output  # the ReLU mask; an attribute because output is not an input
+    # The output is ReLU's mask; save_for_backward keeps it without a reference cycle.
+    ctx.save_for_backward(*_needed_operands(ctx, inputs), output)
 
 
 def _linear_relu_backward(ctx, grad_output):
-    input, weight = ctx.saved_tensors
-    grad_output = grad_output.masked_fill(ctx.output <= 0, 0)  # ReLU's gradient, as torch's (0 at 0)
+    input, weight, output = ctx.saved_tensors
+    grad_output = grad_output.masked_fill(output <= 0, 0)  # ReLU's gradient, as torch's (0 at 0)
     return _operand_grads(ctx, grad_output, input, weight)
 
 

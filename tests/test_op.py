@@ -1,5 +1,8 @@
 """ext.linear and the torch.ops.ext ops against PyTorch: values, every gradient, the
 F.linear contract, registrations (opcheck), errors and determinism."""
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -184,6 +187,19 @@ def test_relu_gradient_is_zero_where_output_is_not_positive():
     assert torch.equal(output, expected)
     for got, want in zip(grads[:2], expected_grads[:2]):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
+def test_graph_is_freed_without_the_garbage_collector(fn):
+    input, weight, bias = make_operands(4, 3, 5, torch.float32)
+    gc.disable()
+    try:
+        output = fn(input, weight.requires_grad_(), bias)
+        freed = weakref.ref(output)
+        del output
+        assert freed() is None  # no reference cycle through the autograd graph
+    finally:
+        gc.enable()
 
 
 # ---- registrations ----
