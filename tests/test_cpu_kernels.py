@@ -22,7 +22,7 @@ TILE_MR_NR = {
     ("portable", torch.float32): (4, 8),
     ("portable", torch.float64): (4, 4),
 }
-KC = {torch.float32: 256, torch.float64: 128}
+KC = {torch.float32: 512, torch.float64: 256}
 MC = 240
 NC = 4096
 PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)

@@ -63,6 +63,7 @@ void tile(const TileArgs<typename Simd::T>& t) {
   const T* b = t.b;
   const int64_t a_row_stride = kUnitRowStride ? 1 : t.a_row_stride;
   const int64_t a_k_stride = kUnitRowStride ? t.a_k_stride : 1;
+#pragma GCC unroll 4
   for (int64_t k = 0; k < t.kc; ++k) {
     V b_row[NV];
     for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(b + v * W);
@@ -96,20 +97,22 @@ void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_str
   for (int64_t first = 0; first < lines; first += P, dst += P * kc) {
     const int64_t count = std::min<int64_t>(P, lines - first);
     const T* panel = src + first * line_stride;
-    if (count == P && line_stride == 1) {
+    if (line_stride == 1 && count == P) {
       for (int64_t k = 0; k < kc; ++k)
         for (int p = 0; p < P; ++p) dst[k * P + p] = panel[k * k_stride + p];
-    } else if (count == P && k_stride == 1 && P % B == 0) {
-      const int64_t kc_blocked = kc / B * B;
+    } else if (k_stride == 1) {
+      // B x B blocks through registers, then the ragged right and bottom edges.
+      const int64_t p_blocked = count / B * B, kc_blocked = kc / B * B;
       for (int64_t k = 0; k < kc_blocked; k += B)
-        for (int p = 0; p < P; p += B) Simd::transpose(panel + p * line_stride + k, line_stride, dst + k * P + p, P);
-      for (int p = 0; p < P; ++p)
-        for (int64_t k = kc_blocked; k < kc; ++k) dst[k * P + p] = panel[p * line_stride + k];
+        for (int64_t p = 0; p < p_blocked; p += B)
+          Simd::transpose(panel + p * line_stride + k, line_stride, dst + k * P + p, P);
+      for (int64_t p = 0; p < count; ++p)
+        for (int64_t k = p < p_blocked ? kc_blocked : 0; k < kc; ++k) dst[k * P + p] = panel[p * line_stride + k];
     } else {
       for (int64_t k = 0; k < kc; ++k)
-        for (int p = 0; p < P; ++p)
-          dst[k * P + p] = p < count ? panel[p * line_stride + k * k_stride] : T(0);
+        for (int64_t p = 0; p < count; ++p) dst[k * P + p] = panel[p * line_stride + k * k_stride];
     }
+    for (int64_t k = 0; count < P && k < kc; ++k) std::fill(dst + k * P + count, dst + (k + 1) * P, T(0));
   }
 }
 
