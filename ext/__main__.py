@@ -8,8 +8,15 @@ import torch
 import ext
 
 
+def _fma_peak_text(num_threads: int) -> str:
+    peak_gflops = torch.ops.ext.fma_peak_gflops(num_threads)
+    if peak_gflops == 0:
+        return "n/a (no vector FMA on this CPU)"
+    return f"{peak_gflops:.0f} GFLOP/s float32 on {num_threads} threads (measured now)"
+
+
 def describe_build(manifest: dict) -> str:
-    """The build's facts, one per line: versions, CPU path, CUDA kernels, location."""
+    """The build's facts, one per line: versions, CPU path and peak, CUDA kernels, location."""
     kernels = manifest["kernels"]
     if not manifest["cuda"]["enabled"]:
         kernels += " (no CUDA kernels; LINEAR_LAB_CUDA=1 python -m ext builds them in)"
@@ -19,6 +26,7 @@ def describe_build(manifest: dict) -> str:
         ("C++ flags", " ".join(manifest["cxx_flags"])),
         ("CPU code path", torch.ops.ext.cpu_path()),
         ("CPU threads", str(torch.get_num_threads())),
+        ("FMA peak", _fma_peak_text(torch.get_num_threads())),
         ("kernels", kernels),
         ("built at", manifest["built_at"]),
         ("build dir", manifest["build_dir"]),

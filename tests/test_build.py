@@ -155,6 +155,7 @@ def test_python_m_ext_reports_the_build(built_root):
     assert report["torch"] == torch.__version__
     assert report["compiler"].strip()
     assert report["CPU code path"] == torch.ops.ext.cpu_path()  # same machine, same choice
+    assert re.fullmatch(r"\d+ GFLOP/s float32 on \d+ threads \(measured now\)|n/a .*", report["FMA peak"])
     assert report["kernels"].startswith("CPU-only (no CUDA kernels; LINEAR_LAB_CUDA=1 python -m ext")
     assert report["build dir"] == results[0][1].strip()
 
