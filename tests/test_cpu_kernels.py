@@ -13,14 +13,15 @@ import ext  # noqa: F401  (loads the ops)
 ops = torch.ops.ext
 
 # The kernels' block sizes, written down once here. Source of truth: the
-# microkernel_<path>.cpp files (MR x NR register tiles) and gemm.cpp (kKC, kMC, kNC).
-TILE_MR_NR = {
-    ("avx512", torch.float32): (12, 32),
-    ("avx512", torch.float64): (12, 16),
-    ("avx2+fma", torch.float32): (6, 16),
-    ("avx2+fma", torch.float64): (6, 8),
-    ("portable", torch.float32): (4, 8),
-    ("portable", torch.float64): (4, 4),
+# microkernel_<path>.cpp files (wide and narrow MR x NR register tiles; the
+# narrow one runs when N <= its NR) and gemm.cpp (kKC, kMC, kNC).
+TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow)
+    ("avx512", torch.float32): ((12, 32), (12, 16)),
+    ("avx512", torch.float64): ((12, 16), (12, 8)),
+    ("avx2+fma", torch.float32): ((6, 16), (6, 8)),
+    ("avx2+fma", torch.float64): ((6, 8), (6, 4)),
+    ("portable", torch.float32): ((4, 8), (4, 4)),
+    ("portable", torch.float64): ((4, 4), (4, 2)),
 }
 KC = {torch.float32: 512, torch.float64: 256}
 MC = 240
@@ -87,10 +88,11 @@ def assert_close(actual, expected, dtype, depth):
 
 def boundary_shapes(path, dtype):
     """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC."""
-    mr, nr = TILE_MR_NR[path, dtype]
+    (mr, nr), (narrow_mr, narrow_nr) = TILES[path, dtype]
     kc = KC[dtype]
     shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, MC - 1, MC, MC + 1)]
-    shapes += [(mr + 1, n, 5) for n in (1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
+    shapes += [(narrow_mr + 1, narrow_nr, kc + 1)]  # narrow tile, full
+    shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
     shapes.append((MC + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
     return shapes
@@ -117,7 +119,7 @@ LAYOUTS = ["contiguous", "transposed", "strided"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 def test_strided_and_transposed_operands(path, dtype):
-    mr, nr = TILE_MR_NR[path, dtype]
+    (mr, nr), _ = TILES[path, dtype]
     m, n, k = 2 * mr + 1, nr + 3, KC[dtype] + 9  # ragged in every dimension
     with cpu_path(path):
         for x_layout, w_layout in itertools.product(LAYOUTS, LAYOUTS):

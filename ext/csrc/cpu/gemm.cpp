@@ -54,13 +54,13 @@ constexpr double kParallelMinFlops = 4e6;
 CpuPath g_active_path = best_cpu_path();
 
 template <typename T>
-Microkernel<T> microkernel(CpuPath path) {
+Microkernels<T> microkernels(CpuPath path) {
   switch (path) {
-    case CpuPath::Avx512: return avx512_microkernel<T>();
-    case CpuPath::Avx2Fma: return avx2_microkernel<T>();
+    case CpuPath::Avx512: return avx512_microkernels<T>();
+    case CpuPath::Avx2Fma: return avx2_microkernels<T>();
     case CpuPath::Portable: break;
   }
-  return portable_microkernel<T>();
+  return portable_microkernels<T>();
 }
 
 // Per-thread packing buffer, 64-byte aligned, grown on demand and reused
@@ -207,7 +207,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
           const T* bias, bool relu, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return fill_bias(M, N, bias, relu, C, ldc);
-  const Microkernel<T> uk = microkernel<T>(g_active_path);
+  const Microkernels<T> kernels = microkernels<T>(g_active_path);
+  const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow : kernels.wide;
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
   const bool small = 2.0 * M * N * K < kParallelMinFlops;
   const int64_t threads = small ? 1 : at::get_num_threads();

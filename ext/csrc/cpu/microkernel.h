@@ -39,8 +39,16 @@ struct Microkernel {
   void (*pack_b)(const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols, T* dst);
 };
 
-template <typename T> Microkernel<T> portable_microkernel();
-template <typename T> Microkernel<T> avx2_microkernel();
-template <typename T> Microkernel<T> avx512_microkernel();
+// Each path has a wide tile for most products and a narrow one (NR of one
+// vector) for outputs with few columns, like a 10-class head, where the wide
+// tile would spend most of its FMAs on padding.
+template <typename T>
+struct Microkernels {
+  Microkernel<T> wide, narrow;
+};
+
+template <typename T> Microkernels<T> portable_microkernels();
+template <typename T> Microkernels<T> avx2_microkernels();
+template <typename T> Microkernels<T> avx512_microkernels();
 
 }  // namespace ext::cpu

@@ -44,8 +44,13 @@ struct Avx2Double {
 
 }  // namespace
 
-template <> Microkernel<float> avx2_microkernel<float>() { return make_microkernel<Avx2Float, 6, 2>(); }   // 6x16
-template <> Microkernel<double> avx2_microkernel<double>() { return make_microkernel<Avx2Double, 6, 2>(); }  // 6x8
+// float 6x16 and 6x8, double 6x8 and 6x4.
+template <> Microkernels<float> avx2_microkernels<float>() {
+  return {make_microkernel<Avx2Float, 6, 2>(), make_microkernel<Avx2Float, 6, 1>()};
+}
+template <> Microkernels<double> avx2_microkernels<double>() {
+  return {make_microkernel<Avx2Double, 6, 2>(), make_microkernel<Avx2Double, 6, 1>()};
+}
 
 }  // namespace ext::cpu
 

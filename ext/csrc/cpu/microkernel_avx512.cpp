@@ -45,8 +45,13 @@ struct Avx512Double {
 
 }  // namespace
 
-template <> Microkernel<float> avx512_microkernel<float>() { return make_microkernel<Avx512Float, 12, 2>(); }   // 12x32
-template <> Microkernel<double> avx512_microkernel<double>() { return make_microkernel<Avx512Double, 12, 2>(); }  // 12x16
+// float 12x32 and 12x16, double 12x16 and 12x8.
+template <> Microkernels<float> avx512_microkernels<float>() {
+  return {make_microkernel<Avx512Float, 12, 2>(), make_microkernel<Avx512Float, 12, 1>()};
+}
+template <> Microkernels<double> avx512_microkernels<double>() {
+  return {make_microkernel<Avx512Double, 12, 2>(), make_microkernel<Avx512Double, 12, 1>()};
+}
 
 }  // namespace ext::cpu
 

@@ -26,7 +26,12 @@ struct GenericVector {
 
 }  // namespace
 
-template <> Microkernel<float> portable_microkernel<float>() { return make_microkernel<GenericVector<float>, 4, 2>(); }     // 4x8
-template <> Microkernel<double> portable_microkernel<double>() { return make_microkernel<GenericVector<double>, 4, 2>(); }  // 4x4
+// float 4x8 and 4x4, double 4x4 and 4x2.
+template <> Microkernels<float> portable_microkernels<float>() {
+  return {make_microkernel<GenericVector<float>, 4, 2>(), make_microkernel<GenericVector<float>, 4, 1>()};
+}
+template <> Microkernels<double> portable_microkernels<double>() {
+  return {make_microkernel<GenericVector<double>, 4, 2>(), make_microkernel<GenericVector<double>, 4, 1>()};
+}
 
 }  // namespace ext::cpu
