@@ -16,8 +16,8 @@ ops = torch.ops.ext
 # microkernel_<path>.cpp files (wide and narrow MR x NR register tiles; the
 # narrow one runs when N <= its NR) and gemm.cpp (kKC, kMC, kNC).
 TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow)
-    ("avx512", torch.float32): ((12, 32), (12, 16)),
-    ("avx512", torch.float64): ((12, 16), (12, 8)),
+    ("avx512", torch.float32): ((8, 32), (8, 16)),
+    ("avx512", torch.float64): ((8, 16), (8, 8)),
     ("avx2+fma", torch.float32): ((6, 16), (6, 8)),
     ("avx2+fma", torch.float64): ((6, 8), (6, 4)),
     ("portable", torch.float32): ((4, 8), (4, 4)),

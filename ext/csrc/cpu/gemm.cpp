@@ -32,11 +32,11 @@ constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
 // KC: depth of one block, 2 KiB of K per row or column (512 floats, 256 doubles).
 // Deeper blocks mean fewer passes that reload and re-store C; measured here on
 // 1024^3 (1 thread), KC = 128 -> 1024 floats took the forward from 147 to 174
-// GFLOP/s. An A micro-panel (MR x KC, at most 24 KiB) stays in L1d while it
+// GFLOP/s. An A micro-panel (MR x KC, at most 16 KiB) stays in L1d while it
 // meets every B micro-panel; the B micro-panels (KC x NR, 32-64 KiB) come from L2.
 template <typename T>
 constexpr int64_t kKC = 2048 / sizeof(T);
-static_assert(12 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
+static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
 
 // MC: rows of one packed A block (MC x KC): 240 x 2 KiB = 480 KiB, a quarter of
 // L2, leaving room for the B micro-panels streaming through. A multiple of every MR.
