@@ -179,6 +179,7 @@ def fail(message, exit_code=2):
 
 
 def pick_device(name):
+    """torch.device for trainer.device: "auto" is the GPU when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -187,7 +188,8 @@ def pick_device(name):
 def dataset_options(data_cfg):
     """The data config minus the loader's own settings: what data.load_data takes."""
     loader_keys = ("batch_size", "num_workers", "loader")
-    return {key: value for key, value in OmegaConf.to_container(data_cfg, resolve=True).items() if key not in loader_keys}
+    options = OmegaConf.to_container(data_cfg, resolve=True)
+    return {key: value for key, value in options.items() if key not in loader_keys}
 
 
 def make_loaders(cfg, dataset, device):
@@ -400,8 +402,8 @@ def fit(cfg, run_dir):
             with tqdm(
                 total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
                 unit_scale=True, leave=False, disable=not show_progress,
-            ) as progress:
-                stats = train_one_epoch(model, train_loader, optimizer, device, progress)
+            ) as bar:
+                stats = train_one_epoch(model, train_loader, optimizer, device, bar if show_progress else None)
             val_loss, val_acc = evaluate(model, val_loader, device)
             scheduler.step()
             epoch_times_s.append(stats.epoch_s)

@@ -134,7 +134,8 @@ def ensure_files(folder, file_names, download, fetch):
         try:
             fetch()
         except Exception as error:  # network errors come in many types; all end the run the same way
-            raise DataError(f"download into {folder} failed ({error}); without internet, copy the files there") from error
+            message = f"download into {folder} failed ({error}); without internet, copy the files there"
+            raise DataError(message) from error
         missing = [name for name in file_names if not (folder / name).is_file()]
     if missing:
         raise DataError(

@@ -81,7 +81,9 @@ class ResNet(nn.Module):
         width = STAGE_CHANNELS[0]
         if small_input:  # small images keep their resolution: a 3x3 stride-1 stem and no max-pool
             self.stem = nn.Sequential(
-                nn.Conv2d(in_channels, width, 3, 1, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+                nn.Conv2d(in_channels, width, 3, 1, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
             )
         else:
             self.stem = nn.Sequential(
