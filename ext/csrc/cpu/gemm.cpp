@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -50,6 +51,11 @@ constexpr int64_t kNC = 4096;
 // Below this many flops one thread finishes before a second one wakes up (a few
 // microseconds), so small products stay on the calling thread.
 constexpr double kParallelMinFlops = 4e6;
+
+// Slabs per thread when running in parallel and no operand is re-packed per
+// slab: more, smaller slabs balance the load when a core is shared with another
+// process (this machine is).
+constexpr int64_t kSlabsPerThread = 4;
 
 CpuPath g_active_path = best_cpu_path();
 
@@ -216,9 +222,14 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // where that part is smaller (A is M x K, B is K x N) while every slab has a panel.
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads);
   const int64_t panels = split_columns ? n_panels : m_panels;
-  const int64_t slabs = std::min(threads, panels);
-  at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
-    for (int64_t slab = first; slab < last; ++slab) {
+  // Finer slabs are free when nothing is re-packed per slab: column slabs with A read in place.
+  const int64_t slabs_per_thread = split_columns && a_cs == 1 ? kSlabsPerThread : 1;
+  const int64_t slabs = std::min(threads == 1 ? 1 : threads * slabs_per_thread, panels);
+  // Threads take slabs from a shared counter, so a thread slowed by another
+  // process on its core does less of the work instead of holding everyone up.
+  std::atomic<int64_t> next_slab{0};
+  at::parallel_for(0, std::min(threads, slabs), 1, [&](int64_t, int64_t) {
+    for (int64_t slab = next_slab++; slab < slabs; slab = next_slab++) {
       const int64_t p0 = panels * slab / slabs, p1 = panels * (slab + 1) / slabs;
       if (split_columns) {
         gemm_slab(uk, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
