@@ -436,11 +436,13 @@ def fit(cfg, run_dir):
             )
 
         epoch_s_mean = sum(epoch_times_s) / len(epoch_times_s)
-        # HParams reads each metric from the run's scalars: val/acc's last value is the final one
-        final_metrics = {"val/acc": val_acc, "time/epoch_s_mean": epoch_s_mean}
         writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
-        for summary in hparams(hparams_of(cfg, device, num_params), final_metrics):
-            writer.file_writer.add_summary(summary)
+        # Only the session's hparams, no per-run "experiment": TensorBoard then builds the HParams table
+        # from every run's hparams (runs of different models have different keys) and shows each scalar
+        # tag's last value as a metric column: final val/acc, time/epoch_s_mean, ...
+        _, session_start, session_end = hparams(hparams_of(cfg, device, num_params), {})
+        writer.file_writer.add_summary(session_start)
+        writer.file_writer.add_summary(session_end)
         log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s | {description}")
     return val_acc
 

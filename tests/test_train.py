@@ -59,8 +59,8 @@ def test_tensorboard_holds_every_tag_once_per_epoch(digits_runs, linear):
 
 def test_hparams_dashboard_has_the_runs_choices_and_final_metrics(digits_runs):
     content = events(digits_runs["custom"][0]).PluginTagToContent("hparams")
-    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
-    assert [metric.name.tag for metric in experiment.metric_infos] == ["val/acc", "time/epoch_s_mean"]
+    # no per-run experiment summary: TensorBoard then unites the hparams of all runs it shows
+    assert set(content) == {"_hparams_/session_start_info", "_hparams_/session_end_info"}
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     hparams = {key: value.string_value or value.number_value for key, value in start.session_start_info.hparams.items()}
     expected_params = sum(p.numel() for p in models.build_model("mlp", 10, 1, image_size=(8, 8)).parameters())
