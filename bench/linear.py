@@ -87,7 +87,8 @@ def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> di
     samples = {name: [] for name in statements}
     for _ in range(rounds):
         for name, fn in statements.items():
-            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
+            # Timer runs on 1 thread unless told otherwise.
+            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
             samples[name] += timer.blocked_autorange(min_run_time=min_run_time_s).times
     return {name: statistics.median(times) for name, times in samples.items()}
 

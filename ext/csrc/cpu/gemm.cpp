@@ -3,8 +3,9 @@
 //   jc (NC columns of B: the packed B block stays in L3)
 //    pc (KC deep: one packed B block, KC x NC)
 //     ic (MC rows of A: the packed A block stays in L2)
-//      jr (NR columns: one B micro-panel, KC x NR, stays in L1)
-//       ir (MR rows: one microkernel call, an MR x NR tile of C in registers)
+//      jr (NR columns: one B micro-panel, KC x NR, from L2)
+//       ir (MR rows: one microkernel call, an MR x NR tile of C in registers;
+//           its A micro-panel, MR x KC, in L1)
 //
 // Threads split C into slabs of whole tiles (columns of NR, or rows of MR); each
 // runs the five loops on its slab. No thread ever splits K, so every element of
@@ -93,7 +94,6 @@ class PackBuffer {
 
 thread_local PackBuffer t_packed_a, t_packed_b;
 
-// The five loops on one slab of C: rows [m0, m1), columns [n0, n1).
 // Asks for the next tile of C while this one computes: from the second K block on,
 // the tile starts by loading C, which has long left L1/L2 by then.
 inline void prefetch_tile(const void* c, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
@@ -102,6 +102,7 @@ inline void prefetch_tile(const void* c, int64_t rows, int64_t row_bytes, int64_
     for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(p + i * ld_bytes + byte, 1);
 }
 
+// The five loops on one slab of C: rows [m0, m1), columns [n0, n1).
 template <typename T>
 void gemm_slab(const Microkernel<T>& uk, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
@@ -133,7 +134,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t m0, int64_t m1, int64_t n0, int
           for (int64_t ir = 0; ir < mc; ir += MR) {
             tile.rows = std::min(MR, mc - ir);
             tile.c = C + (ic + ir) * ldc + jc + jr;
-            prefetch_tile(tile.c + MR * ldc, std::min(MR, mc - ir - MR), tile.cols * sizeof(T), ldc * sizeof(T));
+            if (ir + MR < mc)
+              prefetch_tile(tile.c + MR * ldc, std::min(MR, mc - ir - MR), tile.cols * sizeof(T), ldc * sizeof(T));
             if (!read_a_in_place) {
               tile.a = packed_a + ir * kc;
               tile.a_k_stride = MR;
