@@ -134,7 +134,8 @@ def ensure_files(folder, file_names, download, fetch):
         try:
             fetch()
         except Exception as error:  # network errors come in many types; all end the run the same way
-            message = f"download into {folder} failed ({error}); without internet, copy the files there"
+            reason = " ".join(str(error).split())  # torchvision's reasons span lines; ours is one
+            message = f"download into {folder} failed ({reason}); without internet, copy the files there"
             raise DataError(message) from error
         missing = [name for name in file_names if not (folder / name).is_file()]
     if missing:

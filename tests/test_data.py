@@ -98,6 +98,16 @@ def test_partly_missing_dataset_lists_the_missing_files(tmp_path):
         data.load_data("mnist", root=tmp_path)
 
 
+def test_failed_download_is_one_line_naming_the_folder(tmp_path):
+    def offline_fetch():
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried https://example/, got:\n<no network>")
+
+    with pytest.raises(data.DataError) as error:
+        data.datasets.ensure_files(tmp_path / "MNIST" / "raw", ["train-images-idx3-ubyte"], True, offline_fetch)
+    message = str(error.value)
+    assert "\n" not in message and str(tmp_path / "MNIST" / "raw") in message and "<no network>" in message
+
+
 def test_digits_split_is_fixed_and_disjoint():
     torch.manual_seed(123)  # the run's seed must not move the split
     first = data.load_data("digits", root="unused", val_fraction=0.2, split_seed=0)
