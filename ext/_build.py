@@ -185,9 +185,9 @@ def _build(config: BuildConfig, directory: Path) -> dict:
     _say(f"building the extension ({config.describe()}) into {directory}; "
          f"about {BUILD_ESTIMATE_S[config.with_cuda]} s, once")
     started_s = time.perf_counter()
-    cpp_extension = _import_cpp_extension(config)
     try:
         with _temporary_env(_build_env(config)):
+            cpp_extension = _import_cpp_extension(config)
             library = cpp_extension.load(
                 name=LIBRARY_NAME,
                 sources=list(config.sources),
@@ -237,11 +237,9 @@ def _clear_interrupted_build(directory: Path) -> None:
 
 
 def _import_cpp_extension(config: BuildConfig):
-    """Imports torch.utils.cpp_extension so that it finds the right CUDA toolkit,
-    and without its "No CUDA runtime is found" warning: a CPU-only build needs no
-    CUDA, and a forced CUDA build on a machine without a GPU is what was asked for."""
-    if config.with_cuda:
-        os.environ.setdefault("CUDA_HOME", _find_cuda_home())
+    """Imports torch.utils.cpp_extension (inside _build_env's environment, so that it
+    finds the CUDA toolkit) without its "No CUDA runtime is found" warning: a CPU-only
+    build needs no CUDA, and a forced CUDA build without a GPU is what was asked for."""
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -267,7 +265,11 @@ def _find_cuda_home() -> str:
 
 
 def _build_env(config: BuildConfig) -> dict:
-    return {"TORCH_CUDA_ARCH_LIST": config.cuda_archs} if config.with_cuda else {}
+    """Environment for a build: CUDA's toolkit and architectures, only when CUDA is on."""
+    if not config.with_cuda:
+        return {}
+    return {"TORCH_CUDA_ARCH_LIST": config.cuda_archs,
+            "CUDA_HOME": os.environ.get("CUDA_HOME") or _find_cuda_home()}
 
 
 @contextmanager

@@ -53,8 +53,10 @@ def test_forcing_cuda_without_gpu_targets_default_archs():
     assert [Path(s) for s in config.sources] == [CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp")),
                                                  *cuda_sources]
     assert _build.CUDA_DEFINE in config.cxx_flags and config.cuda_flags
-    assert _build._build_env(config) == {"TORCH_CUDA_ARCH_LIST": "8.0;9.0"}
-    assert (Path(_build._find_cuda_home()) / "lib64").is_dir() or not os.path.isdir("/usr/local/cuda")
+    build_env = _build._build_env(config)
+    assert build_env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
+    if not os.environ.get("CUDA_HOME") and shutil.which("nvcc"):  # found, with the runtime library
+        assert (Path(build_env["CUDA_HOME"]) / "lib64").is_dir()
 
 
 def test_users_arch_list_is_honoured():
