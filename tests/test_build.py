@@ -25,9 +25,7 @@ BUILDING = "building the extension (CPU-only) into "
 
 
 def cpu_build_env(root):
-    env = {**os.environ, "LINEAR_LAB_BUILD_DIR": str(root), "LINEAR_LAB_CUDA": "0",
-           "PYTHONPATH": str(REPO)}
-    return env
+    return {**os.environ, "LINEAR_LAB_BUILD_DIR": str(root), "LINEAR_LAB_CUDA": "0", "PYTHONPATH": str(REPO)}
 
 
 def run_python(code, env, timeout_s=600):
