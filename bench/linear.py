@@ -153,7 +153,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (2 if args.quick else 5)
 
     command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
