@@ -142,6 +142,10 @@ def test_bias_and_relu_epilogue(path):
         assert (relu_out == 0).any() and (relu_out > 0).any()
         assert_close(relu_out, reference_linear(x, w, b, relu=True), torch.float64, k)
         assert_close(ops.linear(x, w, None), reference_linear(x, w, None), torch.float64, k)
+        # NaN propagates through the fused ReLU as through torch.relu.
+        x_nan = x.clone()
+        x_nan[3, 5] = float("nan")
+        assert ops.linear_relu(x_nan, w, b)[3].isnan().all()
         # K == 0: the product is the bias alone (then ReLU), never uninitialised memory.
         empty_x, empty_w = torch.empty(m, 0, dtype=torch.float64), torch.empty(n, 0, dtype=torch.float64)
         torch.testing.assert_close(ops.linear(empty_x, empty_w, b), b.expand(m, n))

@@ -45,6 +45,7 @@ void tile(const TileArgs<typename Simd::T>& t) {
   if (!full) {
     c = edge_c;
     ldc = NR;
+    std::fill_n(edge_c, MR * NR, T(0));  // padding lanes: no garbage (denormals are slow)
     if (t.accumulate)
       for (int64_t i = 0; i < t.rows; ++i) std::copy_n(t.c + i * t.ldc, t.cols, edge_c + i * NR);
     if (bias) {
@@ -77,7 +78,7 @@ void tile(const TileArgs<typename Simd::T>& t) {
 
   if (t.relu)
     for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] > V{} ? acc[i][v] : V{};
+      for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] < V{} ? V{} : acc[i][v];  // NaN stays NaN, as in torch.relu
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) store<Simd>(c + i * ldc + v * W, acc[i][v]);
 
