@@ -1,7 +1,7 @@
 """The whole training step, linear=torch against linear=custom: model=mlp on fake MNIST-size data.
 
     python -m bench.train                      # 60,000 x 1x28x28, batch 128, 1 warm-up + 5 timed epochs each
-    python -m bench.train --epochs 3 --train-size 10000
+    python -m bench.train --epochs 3 --train-size 10000 --threads 1
 
 Both models start from the same weights and train on the same in-memory batches through the trainer's own
 train_one_epoch; their epochs alternate (torch, custom, torch, ...) so that a busy moment on the machine
@@ -9,6 +9,8 @@ hits both alike. Epoch times are the trainer's time/epoch_s.
 """
 import argparse
 import statistics
+
+import torch
 
 import data
 import train
@@ -21,8 +23,10 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=5, help="timed epochs per linear (after one warm-up)")
     parser.add_argument("--train-size", type=int, default=60_000)
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
     parser.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. model.hidden_sizes=[512,512]")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     configs = {
         linear: train.load_config([
@@ -53,7 +57,7 @@ def main(argv=None):
                   f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}", flush=True)
 
     print(f"\nmodel=mlp {list(configs['torch'].model.hidden_sizes)}, {args.train_size:,} x 1x28x28, "
-          f"batch {args.batch_size}, {device}, {args.epochs} timed epochs each")
+          f"batch {args.batch_size}, {device}, {args.threads} threads, {args.epochs} timed epochs each")
     means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}
     medians_s = {linear: statistics.median(times) for linear, times in epoch_times_s.items()}
     for linear in LINEARS:
