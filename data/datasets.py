@@ -4,6 +4,7 @@ for digits, which has none and is split with a fixed seed.
 """
 import pickle
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,6 @@ import torchvision
 from sklearn.datasets import load_digits
 from torchvision.transforms import PILToTensor
 
-DATASET_NAMES = ("digits", "mnist", "fashion_mnist", "cifar10", "fake")
 DIGITS_MAX_VALUE = 16  # load_digits' pixels are counts of set bits in 4x4 blocks: 0..16
 
 
@@ -42,18 +42,10 @@ def load_data(name, root, download=False, **options):
         >>> data.train_images.shape, data.num_classes
         (torch.Size([1438, 1, 8, 8]), 10)
     """
-    root = Path(root).expanduser()
-    readers = {
-        "digits": read_digits,
-        "mnist": lambda **kw: read_mnist(torchvision.datasets.MNIST, **kw),
-        "fashion_mnist": lambda **kw: read_mnist(torchvision.datasets.FashionMNIST, **kw),
-        "cifar10": read_cifar10,
-        "fake": read_fake,
-    }
-    if name not in readers:
-        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
-    train_images, train_labels, val_images, val_labels, num_classes = readers[name](
-        root=root, download=download, **options
+    if name not in READERS:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(READERS)}")
+    train_images, train_labels, val_images, val_labels, num_classes = READERS[name](
+        root=Path(root).expanduser(), download=download, **options
     )
     mean = train_images.mean(dim=(0, 2, 3), keepdim=True)
     std = train_images.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-6)  # a constant channel stays finite
@@ -143,3 +135,13 @@ def ensure_files(folder, file_names, download, fetch):
             f"dataset files missing in {folder}: {', '.join(missing)}; "
             "run with data.download=true (needs internet) or copy them there (data.root sets the folder)"
         )
+
+
+READERS = {
+    "digits": read_digits,
+    "mnist": partial(read_mnist, torchvision.datasets.MNIST),
+    "fashion_mnist": partial(read_mnist, torchvision.datasets.FashionMNIST),
+    "cifar10": read_cifar10,
+    "fake": read_fake,
+}
+DATASET_NAMES = tuple(READERS)
