@@ -213,6 +213,17 @@ def test_graph_is_freed_without_the_garbage_collector(fn):
         gc.enable()
 
 
+def test_relu_gradient_at_nan_outputs_matches_torch():
+    input = torch.tensor([[float("nan"), 1.0], [1.0, 2.0]], dtype=torch.float64)
+    weight = torch.tensor([[1.0, 1.0], [-1.0, 0.5]], dtype=torch.float64)
+    grad_output = torch.ones(2, 2, dtype=torch.float64)
+    ours = forward_and_grads(ext.linear_relu, input, weight, None, grad_output)
+    expected = forward_and_grads(torch_linear_relu, input, weight, None, grad_output)
+    torch.testing.assert_close(ours[0], expected[0], equal_nan=True)
+    # torch masks where output <= 0, so a NaN output passes its gradient through
+    torch.testing.assert_close(ours[1][0], expected[1][0], equal_nan=True)
+
+
 # ---- registrations ----
 
 OPCHECK_SHAPES = [(1, 1, 1), (5, 7, 3), (17, 16, 33)]
