@@ -9,7 +9,9 @@ Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard ev
 """
 import itertools
 import logging
+import math
 import os
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -30,9 +32,13 @@ from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 from tqdm import tqdm
 
+from checkpoint import CheckpointError, save_atomic
+
+import checkpoint
 import data
 import ext  # builds (or loads the cached) operator now, once, before Hydra launches any job
 import models
+import sweep_summary
 
 log = logging.getLogger("train")
 
@@ -135,6 +141,7 @@ RULES = (
     ("data.num_workers", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     ("data.loader", lambda v: v in data.LOADER_KINDS, f"one of {', '.join(data.LOADER_KINDS)}"),
     ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
+    ("trainer.objective", lambda v: v in sweep_summary.OBJECTIVES, f"one of {', '.join(sweep_summary.OBJECTIVES)}"),
 )
 # the same for keys that only some options have (model.hidden_sizes: mlp only)
 OPTION_RULES = (
@@ -247,11 +254,24 @@ class EpochStats:
     samples_per_s: float
 
 
+class NonFiniteLoss(Exception):
+    """The loss became NaN or infinite at `step` of the epoch."""
+
+    def __init__(self, step, loss):
+        super().__init__(f"loss {loss} at step {step}")
+        self.step, self.loss = step, loss
+
+
+class RunStopped(Exception):
+    """The run cannot go on; the message says why, what was kept, and what to try."""
+
+
 def train_one_epoch(model, loader, optimizer, device, progress=None):
     """One pass over `loader` with one optimizer step per batch; returns EpochStats.
 
     Loss and correct counts accumulate on the device and are read once at the end: reading them every
-    step would make the host wait for the device every step.
+    step would make the host wait for the device every step. A NaN or infinite loss raises NonFiniteLoss:
+    on the CPU (where reading is free) at its step, on a GPU within PROGRESS_EVERY_STEPS steps.
     """
     model.train()
     loss_sum = torch.zeros((), device=device)
@@ -269,12 +289,17 @@ def train_one_epoch(model, loader, optimizer, device, progress=None):
         loss_sum.add_(loss.detach(), alpha=len(labels))
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
+        # the sum stays NaN/inf once one loss was; a GPU is only asked now and then (each read syncs)
+        if (device.type == "cpu" or step % PROGRESS_EVERY_STEPS == 0) and not math.isfinite(loss_sum.item()):
+            raise NonFiniteLoss(step, loss.item())
         if progress is not None:
             progress.update(len(labels))
             if step % PROGRESS_EVERY_STEPS == 0:
                 progress.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
     synchronize(device)
     epoch_s = time.perf_counter() - start_s
+    if not math.isfinite(loss_sum.item()):
+        raise NonFiniteLoss(step, loss.item())
     return EpochStats(loss_sum.item() / num_samples, correct.item() / num_samples, epoch_s, num_samples / epoch_s)
 
 
@@ -292,24 +317,6 @@ def evaluate(model, loader, device):
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
     return loss_sum.item() / num_samples, correct.item() / num_samples
-
-
-def save_atomic(state, path):
-    """torch.save into a temporary file in the same folder, fsync, then rename over `path`.
-
-    A crash at any moment leaves either the previous file or the new one, never a torn one.
-    """
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    folder = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def class_name(node):
@@ -397,6 +404,7 @@ def fit(cfg, run_dir):
 
         show_progress = sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
         epoch_times_s = []
+        history = []  # each epoch's metrics, for summary.json
         for epoch in range(1, cfg.trainer.epochs + 1):
             lr = optimizer.param_groups[0]["lr"]
             with tqdm(
@@ -417,6 +425,7 @@ def fit(cfg, run_dir):
                 "throughput/train_samples_per_s": stats.samples_per_s,
                 "lr": lr,
             }
+            history.append(metrics)
             for tag, value in metrics.items():
                 writer.add_scalar(tag, value, epoch)
             log.info(
@@ -444,6 +453,7 @@ def fit(cfg, run_dir):
         writer.file_writer.add_summary(session_start)
         writer.file_writer.add_summary(session_end)
         log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s | {description}")
+        sweep_summary.write_run_summary(run_dir, history, num_params)
     return val_acc
 
 
@@ -451,7 +461,9 @@ def fit(cfg, run_dir):
 def main(cfg: DictConfig) -> float:
     try:
         validate(cfg)
-        return fit(cfg, HydraConfig.get().runtime.output_dir)
+        run_dir = HydraConfig.get().runtime.output_dir
+        fit(cfg, run_dir)
+        return sweep_summary.read_run_summary(run_dir)[cfg.trainer.objective]  # what hydra/sweeper=optuna optimises
     except ConfigError as error:
         fail(str(error))
     except data.DataError as error:

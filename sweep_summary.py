@@ -1,0 +1,179 @@
+"""Run summaries and the sweep summary.
+
+Every run writes `summary.json` into its folder when it ends: the final value of every per-epoch tag,
+the best val/acc, mean epoch time and throughput, and the parameter count. At the end of every multirun
+the Hydra callback `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs' summaries
+into `summary.csv` and `summary.md` in the sweep folder, one row per job, and compares every pair of jobs
+that differ only in `linear`: the speedup of custom over torch and the difference in val/acc. It prints
+the markdown at the end of the sweep.
+
+    python train.py -m linear=torch,custom model.hidden_sizes=[256],[1024]
+    # -> outputs/multirun/<date>/<time>/summary.md
+"""
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
+
+RUN_SUMMARY_NAME = "summary.json"
+CSV_NAME = "summary.csv"
+MARKDOWN_NAME = "summary.md"
+# summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises)
+OBJECTIVES = (
+    "val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss", "time/epoch_s_mean",
+    "throughput/train_samples_per_s_mean",
+)
+# (column, key in summary.json or job row, format for summary.md)
+JOB_COLUMNS = (
+    ("job", "job", "{}"),
+    ("overrides", "overrides", "{}"),
+    ("linear", "linear", "{}"),
+    ("val_acc", "val/acc", "{:.2%}"),
+    ("val_acc_best", "val/acc_best", "{:.2%}"),
+    ("epoch_s_mean", "time/epoch_s_mean", "{:.3f}"),
+    ("train_samples_per_s", "throughput/train_samples_per_s_mean", "{:,.0f}"),
+    ("num_params", "num_params", "{:,}"),
+)
+
+
+def write_text_atomic(path, text):
+    """Write into a temporary file beside `path`, fsync, then rename: readers see the old or the new text."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def write_run_summary(run_dir, history, num_params):
+    """summary.json for a finished run, from its per-epoch metrics (a list of {tag: value}, one per epoch).
+
+    Example:
+        >>> write_run_summary("outputs/try", [{"val/acc": 0.9, "time/epoch_s": 0.5, ...}], 200_000)
+    """
+    summary = {
+        **history[-1],
+        "val/acc_best": max(epoch["val/acc"] for epoch in history),
+        "time/epoch_s_mean": sum(epoch["time/epoch_s"] for epoch in history) / len(history),
+        "throughput/train_samples_per_s_mean": (
+            sum(epoch["throughput/train_samples_per_s"] for epoch in history) / len(history)
+        ),
+        "num_params": num_params,
+        "epochs": len(history),
+    }
+    write_text_atomic(Path(run_dir) / RUN_SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def read_run_summary(run_dir):
+    """The dict write_run_summary wrote for `run_dir`."""
+    return json.loads((Path(run_dir) / RUN_SUMMARY_NAME).read_text())
+
+
+def job_rows(sweep_dir):
+    """One dict per job folder under `sweep_dir` that holds a summary.json, in job order."""
+    rows = []
+    for hydra_dir in Path(sweep_dir).glob("*/.hydra"):
+        job_dir = hydra_dir.parent
+        if not (job_dir / RUN_SUMMARY_NAME).is_file():
+            continue  # the job failed before its end
+        overrides = OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml"))
+        config = OmegaConf.load(hydra_dir / "config.yaml")
+        num = OmegaConf.load(hydra_dir / "hydra.yaml").hydra.job.num
+        rows.append({
+            "num": num, "job": job_dir.name, "overrides": " ".join(overrides), "override_list": overrides,
+            "linear": config.linear.name, **read_run_summary(job_dir),
+        })
+    return sorted(rows, key=lambda row: row["num"])
+
+
+def override_key(override):
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def linear_pairs(rows):
+    """(torch row, custom row) for every two jobs whose overrides differ only in `linear`."""
+    groups = {}
+    for row in rows:
+        rest = tuple(sorted(o for o in row["override_list"] if override_key(o) != "linear"))
+        groups.setdefault(rest, {}).setdefault(row["linear"], row)
+    return [(group["torch"], group["custom"]) for group in groups.values() if {"torch", "custom"} <= set(group)]
+
+
+def speedup(torch_row, custom_row):
+    """How many times faster custom's mean epoch is than torch's (> 1: custom is faster)."""
+    return torch_row["time/epoch_s_mean"] / custom_row["time/epoch_s_mean"]
+
+
+def val_acc_diff_points(torch_row, custom_row):
+    return 100 * (custom_row["val/acc"] - torch_row["val/acc"])
+
+
+def to_csv(rows, pairs):
+    """One line per job; custom jobs with a torch partner also carry the speedup and accuracy difference."""
+    compared = {id(custom): (torch_row, custom) for torch_row, custom in pairs}
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([column for column, _, _ in JOB_COLUMNS] + ["speedup_vs_torch", "val_acc_diff_points_vs_torch"])
+    for row in rows:
+        pair = compared.get(id(row))
+        extra = [f"{speedup(*pair):.4f}", f"{val_acc_diff_points(*pair):.2f}"] if pair else ["", ""]
+        writer.writerow([row[key] for _, key, _ in JOB_COLUMNS] + extra)
+    return out.getvalue()
+
+
+def markdown_table(header, lines):
+    return "\n".join(
+        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(line) + " |" for line in lines]
+    )
+
+
+def to_markdown(sweep_dir, rows, pairs):
+    jobs = markdown_table(
+        [column for column, _, _ in JOB_COLUMNS],
+        [[fmt.format(row[key]) if key != "overrides" else f"`{row[key]}`" for _, key, fmt in JOB_COLUMNS] for row in rows],
+    )
+    text = f"# Sweep {sweep_dir}\n\n{len(rows)} jobs\n\n{jobs}\n"
+    if pairs:
+        comparisons = markdown_table(
+            ["overrides besides linear", "speedup custom/torch", "val_acc custom - torch"],
+            [
+                [
+                    "`" + " ".join(o for o in custom["override_list"] if override_key(o) != "linear") + "`",
+                    f"{speedup(torch_row, custom):.2f}x",
+                    f"{val_acc_diff_points(torch_row, custom):+.2f} points",
+                ]
+                for torch_row, custom in pairs
+            ],
+        )
+        text += f"\n## linear=custom vs linear=torch (mean epoch time ratio)\n\n{comparisons}\n"
+    return text
+
+
+def summarize_sweep(sweep_dir):
+    """Write summary.csv and summary.md into `sweep_dir`; return the markdown.
+
+    Example:
+        >>> print(summarize_sweep("outputs/multirun/2026-11-22/10-00-00.000"))
+    """
+    rows = job_rows(sweep_dir)
+    pairs = linear_pairs(rows)
+    markdown = to_markdown(sweep_dir, rows, pairs)
+    write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, pairs))
+    write_text_atomic(Path(sweep_dir) / MARKDOWN_NAME, markdown)
+    return markdown
+
+
+class SweepSummary(Callback):
+    """Hydra callback: summarize the sweep folder when a multirun ends."""
+
+    def on_multirun_end(self, config, **kwargs):
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            print(summarize_sweep(sweep_dir), flush=True)
