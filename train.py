@@ -11,8 +11,8 @@ import itertools
 import logging
 import math
 import os
-import shlex
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -141,6 +141,9 @@ RULES = (
     ("data.num_workers", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     ("data.loader", lambda v: v in data.LOADER_KINDS, f"one of {', '.join(data.LOADER_KINDS)}"),
     ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
+    ("trainer.resume", lambda v: v is None or isinstance(v, str), "a run folder or checkpoint file"),
+    ("trainer.eval_only", lambda v: isinstance(v, bool), "true or false"),
+    ("trainer.threads", lambda v: v == "auto" or (is_int(v) and v > 0), "auto or a positive integer"),
     ("trainer.objective", lambda v: v in sweep_summary.OBJECTIVES, f"one of {', '.join(sweep_summary.OBJECTIVES)}"),
 )
 # the same for keys that only some options have (model.hidden_sizes: mlp only)
@@ -175,6 +178,34 @@ def validate(cfg):
             if not test(value):
                 shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
                 raise ConfigError(f"{key}={shown} is invalid: it must be {expected}")
+    if cfg.trainer.eval_only and not cfg.trainer.resume:
+        raise ConfigError("trainer.eval_only=true needs trainer.resume=<run folder or checkpoint file>")
+
+
+def hydra_quoted(path):
+    """`path` as a quoted value of a Hydra override: run folders' names hold '=' and ',' (their
+    overrides), which the override grammar would read as syntax."""
+    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def resume_arguments(argv):
+    """The command line with trainer.resume=<path> made safe for Hydra, continuing in the run's own folder.
+
+    Hydra then writes into that folder rather than a new one, and leaves its .hydra/ (the config the run
+    started with) as it is. A path that does not exist fails here, before Hydra creates any folder.
+    """
+    arguments = []
+    for argument in argv:
+        key, _, value = argument.partition("=")
+        if key.lstrip("+") == "trainer.resume" and value not in ("", "null"):
+            path = Path(value.strip("'\"")).expanduser().absolute()
+            if not path.exists():
+                fail(f"trainer.resume={value}: no such file or folder; give a run folder or a .pt file", 1)
+            run_dir = path if path.is_dir() else path.parent
+            argument = f"{key}={hydra_quoted(path)}"
+            arguments += [f"hydra.run.dir={hydra_quoted(run_dir)}", "hydra.output_subdir=null"]
+        arguments.append(argument)
+    return arguments
 
 
 def fail(message, exit_code=2):
@@ -192,11 +223,47 @@ def pick_device(name):
     return torch.device(name)
 
 
+def threads_per_process(setting):
+    """torch's thread count for trainer.threads: "auto" shares the cores among the processes that run at
+    once on this machine (a parallel launcher's jobs, torchrun's ranks), so they do not oversubscribe."""
+    if setting != "auto":
+        return setting
+    cores = len(os.sched_getaffinity(0))
+    n_jobs = OmegaConf.select(HydraConfig.get(), "launcher.n_jobs") if HydraConfig.initialized() else None
+    if n_jobs is not None and n_jobs < 0:  # joblib's convention: -1 is all cores, -2 all but one, ...
+        n_jobs = max(1, os.cpu_count() + 1 + n_jobs)
+    processes = (n_jobs or 1) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, cores // processes)
+
+
 def dataset_options(data_cfg):
     """The data config minus the loader's own settings: what data.load_data takes."""
     loader_keys = ("batch_size", "num_workers", "loader")
     options = OmegaConf.to_container(data_cfg, resolve=True)
     return {key: value for key, value in options.items() if key not in loader_keys}
+
+
+def read_dataset(data_cfg):
+    """data.load_data for the data config; any failure to read it becomes one DataError line."""
+    root = Path(data_cfg.root).expanduser()
+    if data_cfg.download:  # downloads write into data.root: find out now, not halfway through one
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=root).close()
+        except OSError as error:
+            raise data.DataError(
+                f"data.root={root} cannot be written ({error.strerror}); set data.root to a writable folder"
+            ) from error
+    try:
+        return data.load_data(**dataset_options(data_cfg))
+    except data.DataError:
+        raise
+    except Exception as error:  # truncated IDX files, bad pickles...: each reader fails its own way
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise data.DataError(
+            f"dataset {data_cfg.name} in {root} is corrupt ({reason}); replace its files "
+            "(data.download=true fetches fresh ones)"
+        ) from error
 
 
 def make_loaders(cfg, dataset, device):
@@ -329,7 +396,7 @@ def describe(cfg, device, num_params):
     return (
         f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
-        f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | {device} | "
+        f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | {device}, {torch.get_num_threads()} threads | "
         f"{num_params:,} parameters"
     )
 
@@ -375,9 +442,26 @@ def logging_to(path):
     log.setLevel(logging.INFO)
     try:
         yield
+    except Exception as error:  # the traceback goes to the file only; the terminal gets main's one line
+        handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, f"error: {error}", None, sys.exc_info()))
+        raise
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+@contextmanager
+def reporting_interrupts(run_dir):
+    """On Ctrl-C, say what was kept and the command that resumes, then let the interrupt end the run."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if (run_dir / checkpoint.LAST_NAME).is_file():
+            log.info(f"stopped: {run_dir / checkpoint.LAST_NAME} keeps the last complete epoch; "
+                     f"resume with: {checkpoint.resume_command(run_dir)}")
+        else:
+            log.info("stopped before the first epoch ended: nothing to resume")
+        raise
 
 
 # --- the run -----------------------------------------------------------------------------------------
@@ -393,9 +477,22 @@ def fit(cfg, run_dir):
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with logging_to(run_dir / "train.log"), SummaryWriter(run_dir) as writer:
+    resume_path = checkpoint.find(cfg.trainer.resume) if cfg.trainer.resume else None
+    resumed = checkpoint.load(resume_path) if resume_path else None
+    first_epoch = resumed["epoch"] + 1 if resumed else 1
+    if first_epoch > cfg.trainer.epochs:
+        raise CheckpointError(
+            f"{resume_path} already finished all {cfg.trainer.epochs} epochs; "
+            "evaluate it with trainer.eval_only=true, or start a new run"
+        )
+    # purge_step: TensorBoard drops what the interrupted run logged after its checkpoint
+    with (
+        logging_to(run_dir / "train.log"),
+        SummaryWriter(run_dir, purge_step=first_epoch if resumed else None) as writer,
+        reporting_interrupts(run_dir),
+    ):
         device = pick_device(cfg.trainer.device)
-        dataset = data.load_data(**dataset_options(cfg.data))
+        dataset = read_dataset(cfg.data)
         model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())
         description = describe(cfg, device, num_params)
@@ -405,13 +502,28 @@ def fit(cfg, run_dir):
         show_progress = sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
         epoch_times_s = []
         history = []  # each epoch's metrics, for summary.json
-        for epoch in range(1, cfg.trainer.epochs + 1):
+        global_step, best_val_acc = 0, -1.0
+        if resumed:
+            checkpoint.restore(resumed, resume_path, model, optimizer, scheduler, train_loader.generator)
+            global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
+            epoch_times_s, history = resumed["epoch_times_s"], resumed["history"]
+            log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
+        for epoch in range(first_epoch, cfg.trainer.epochs + 1):
             lr = optimizer.param_groups[0]["lr"]
-            with tqdm(
-                total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
-                unit_scale=True, leave=False, disable=not show_progress,
-            ) as bar:
-                stats = train_one_epoch(model, train_loader, optimizer, device, bar if show_progress else None)
+            try:
+                with tqdm(
+                    total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
+                    unit_scale=True, leave=False, disable=not show_progress,
+                ) as bar:
+                    stats = train_one_epoch(model, train_loader, optimizer, device, bar if show_progress else None)
+            except NonFiniteLoss as error:
+                kept = f"{run_dir / checkpoint.LAST_NAME} keeps epoch {epoch - 1}" if epoch > 1 else "no epoch finished"
+                raise RunStopped(
+                    f"loss became {error.loss} in epoch {epoch}, step {error.step} (global step "
+                    f"{global_step + error.step}); {kept}; try a lower learning rate (optim.lr={lr / 10:g}) "
+                    "in a new run"
+                ) from error
+            global_step += len(train_loader)
             val_loss, val_acc = evaluate(model, val_loader, device)
             scheduler.step()
             epoch_times_s.append(stats.epoch_s)
@@ -433,16 +545,14 @@ def fit(cfg, run_dir):
                 f"val loss {val_loss:.4f} acc {val_acc:.2%} | {stats.epoch_s:.3f} s "
                 f"{stats.samples_per_s:,.0f} samples/s | lr {lr:.3g}"
             )
-            save_atomic(
-                {
-                    "epoch": epoch,
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "config": OmegaConf.to_container(cfg, resolve=True),
-                },
-                run_dir / "last.pt",
+            writer.flush()  # the epoch's events are on disk before its checkpoint is
+            is_best = val_acc > best_val_acc
+            best_val_acc = max(best_val_acc, val_acc)
+            state = checkpoint.training_state(
+                epoch, global_step, model, optimizer, scheduler, train_loader.generator, cfg,
+                best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history,
             )
+            checkpoint.save_epoch(state, run_dir, is_best)
 
         epoch_s_mean = sum(epoch_times_s) / len(epoch_times_s)
         writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
@@ -457,19 +567,63 @@ def fit(cfg, run_dir):
     return val_acc
 
 
+def evaluate_checkpoint(cfg, run_dir):
+    """Evaluate the checkpoint at cfg.trainer.resume on the validation set, log loss and accuracy to the
+    terminal and `run_dir`/train.log, and return the accuracy. Trains nothing.
+
+    Example:
+        >>> evaluate_checkpoint(load_config(["trainer.eval_only=true", "trainer.resume=outputs/runs/..."]), "outputs/runs/...")
+    """
+    path = checkpoint.find(cfg.trainer.resume)
+    with logging_to(Path(run_dir) / "train.log"):
+        state = checkpoint.load(path)
+        device = pick_device(cfg.trainer.device)
+        dataset = read_dataset(cfg.data)
+        model = make_model(cfg, dataset, device)
+        checkpoint.load_model_state(model, state["model"], path)
+        _, val_loader = make_loaders(cfg, dataset, device)
+        val_loss, val_acc = evaluate(model, val_loader, device)
+        log.info(f"eval: val loss {val_loss:.4f} acc {val_acc:.2%} | epoch {state['epoch']} of {path} | "
+                 f"linear={cfg.linear.name}")
+    return val_acc
+
+
+def resumed_run(cfg):
+    """(config, run folder) for trainer.resume: the checkpoint's config with the command line's allowed
+    overrides (checkpoint.RESUME_OVERRIDES), and the folder the checkpoint is in."""
+    path = checkpoint.find(cfg.trainer.resume)
+    overridden = [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
+    cfg = checkpoint.resumed_config(checkpoint.load(path)["config"], cfg, overridden)
+    validate(cfg)
+    return cfg, path.parent
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
         validate(cfg)
-        run_dir = HydraConfig.get().runtime.output_dir
+        torch.set_num_threads(threads_per_process(cfg.trainer.threads))
+        if cfg.trainer.resume:
+            cfg, run_dir = resumed_run(cfg)
+        if cfg.trainer.eval_only:
+            return evaluate_checkpoint(cfg, run_dir)
         fit(cfg, run_dir)
         return sweep_summary.read_run_summary(run_dir)[cfg.trainer.objective]  # what hydra/sweeper=optuna optimises
     except ConfigError as error:
         fail(str(error))
-    except data.DataError as error:
-        fail(str(error), exit_code=1)
+    except KeyboardInterrupt:
+        sys.exit(130)  # fit has said what was kept and how to resume
+    except Exception as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if isinstance(error, (data.DataError, CheckpointError, RunStopped)):
+            fail(str(error), exit_code=1)
+        reason = " ".join(str(error).split())
+        fail(f"{type(error).__name__}: {reason} (traceback in {Path(run_dir) / 'train.log'})", exit_code=1)
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = resume_arguments(sys.argv[1:])
     check_command_line(sys.argv[1:])
     main()

@@ -1,0 +1,213 @@
+"""Checkpoints that survive crashes: atomic writes, everything needed to continue a run exactly, and
+one-line errors for files that cannot be used.
+
+A checkpoint is a dict saved with torch.save:
+    epoch, global_step      the last complete epoch and the optimizer steps taken so far
+    best_val_acc, epoch_times_s, history    what the run's logs and summaries need from earlier epochs
+    model, optimizer, scheduler, scaler   state_dicts (scaler: the AMP GradScaler's, None without AMP)
+    rng                     every random generator training draws from (see rng_state)
+    config                  the run's resolved config, as plain containers
+"""
+import errno
+import os
+import random
+import shlex
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+LAST_NAME = "last.pt"  # written after every epoch
+BEST_NAME = "best.pt"  # written when val/acc improves
+REQUIRED_KEYS = ("epoch", "global_step", "model", "optimizer", "scheduler", "rng", "config", "best_val_acc",
+                 "epoch_times_s", "history")
+MISMATCHES_SHOWN = 3  # a few mismatched keys name the problem; all of them would bury it
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or used; the message says which file and what to do."""
+
+
+def save_atomic(state, path):
+    """torch.save into a temporary file in the same folder, fsync, then rename over `path`.
+
+    A crash at any moment leaves either the previous file or the new one, never a torn one. A full disk
+    raises CheckpointError (the previous file is untouched); the temporary file never outlives the call.
+
+    Example:
+        >>> save_atomic({"epoch": 3, ...}, Path("outputs/runs/.../last.pt"))
+    """
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:  # also Ctrl-C: never leave a half-written file behind
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
+            raise CheckpointError(
+                f"disk full while writing {path}; {kept}; free some space, then resume with: "
+                f"{resume_command(path.parent)}"
+            ) from error
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def training_state(epoch, global_step, model, optimizer, scheduler, loader_generator, config, **extra):
+    """Everything a run needs to continue exactly after `epoch`; `extra` holds the run's own history.
+
+    Example:
+        >>> state = training_state(3, 69, model, optimizer, scheduler, train_loader.generator, cfg, best_val_acc=0.9)
+    """
+    return {
+        "epoch": epoch,
+        "global_step": global_step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": None,  # the AMP GradScaler's state_dict once the trainer has one
+        "rng": rng_state(loader_generator),
+        "config": OmegaConf.to_container(config, resolve=True),
+        **extra,
+    }
+
+
+def restore(state, path, model, optimizer, scheduler, loader_generator):
+    """Load a checkpoint `state` (read from `path`) into freshly built training objects."""
+    load_model_state(model, state["model"], path)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    restore_rng(state["rng"], loader_generator)
+
+
+def save_epoch(state, run_dir, is_best):
+    """Write last.pt, and best.pt when `is_best`, into `run_dir`, each atomically.
+
+    best.pt is a hard link to the new last.pt renamed into place: no second copy of the bytes is written.
+    """
+    last = Path(run_dir) / LAST_NAME
+    save_atomic(state, last)
+    if is_best:
+        best = last.with_name(BEST_NAME)
+        temporary = best.with_name(BEST_NAME + ".tmp")
+        temporary.unlink(missing_ok=True)
+        os.link(last, temporary)
+        os.replace(temporary, best)
+
+
+def resume_command(run_dir):
+    """The shell command that continues the run in `run_dir`."""
+    return f"python train.py {shlex.quote(f'trainer.resume={Path(run_dir).absolute()}')}"
+
+
+def rng_state(loader_generator):
+    """Every generator a training epoch draws from: Python's, torch's CPU and CUDA ones (dropout, init)
+    and the training loader's own (the data order). NumPy's global generator is not used in training."""
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "loader": loader_generator.get_state(),
+    }
+
+
+def restore_rng(state, loader_generator):
+    """Put the generators back as rng_state found them."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    loader_generator.set_state(state["loader"])
+
+
+def find(path):
+    """The checkpoint file for `path`: the file itself, or a run folder's last.pt."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / LAST_NAME
+        if not path.is_file():
+            raise CheckpointError(f"no {LAST_NAME} in {path.parent}: the run ended before its first epoch did")
+    elif not path.is_file():
+        raise CheckpointError(f"trainer.resume={path}: no such file or folder; give a run folder or a .pt file")
+    return path.resolve()
+
+
+def load(path):
+    """Read the checkpoint at `path` (a .pt file or a run folder) onto the CPU; CheckpointError when it is
+    unreadable or not a checkpoint of this trainer.
+
+    Example:
+        >>> state = load("outputs/runs/2026-11-22/10-00-00.000_mlp-custom-digits")
+        >>> state["epoch"], state["config"]["model"]["name"]
+    """
+    path = find(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated zip, random bytes, pickled code...: all mean "unusable"
+        reason = " ".join(str(error).split())[:200]
+        raise CheckpointError(
+            f"{path} is truncated or corrupt ({reason}); resume from another checkpoint (best.pt, an older run)"
+        ) from error
+    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a linear-lab checkpoint (no {', '.join(missing)})")
+    return state
+
+
+def load_model_state(model, model_state, path):
+    """load_state_dict, but a checkpoint of another model fails in one line naming a few mismatched keys."""
+    expected = model.state_dict()
+    mismatches = [f"missing {key}" for key in expected if key not in model_state]
+    mismatches += [f"unexpected {key}" for key in model_state if key not in expected]
+    mismatches += [
+        f"{key} {tuple(model_state[key].shape)} != {tuple(value.shape)}"
+        for key, value in expected.items()
+        if key in model_state and model_state[key].shape != value.shape
+    ]
+    if mismatches:
+        shown = "; ".join(mismatches[:MISMATCHES_SHOWN]) + ("; ..." if len(mismatches) > MISMATCHES_SHOWN else "")
+        raise CheckpointError(
+            f"{path} holds another model than its config builds ({len(mismatches)} mismatched keys: {shown}); "
+            "resume from a checkpoint of this model"
+        )
+    model.load_state_dict(model_state)
+
+
+# What may differ from the checkpoint's config when a run continues: where it runs and which linear layer
+# computes it (their weights are interchangeable), not what it computes.
+RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "linear", "data.root",
+                    "data.download", "data.num_workers")
+
+
+def resumed_config(saved, cfg, overridden_keys):
+    """The config a resumed run continues with: the checkpoint's own (`saved`), plus settings it predates
+    from `cfg`, plus the command line's `overridden_keys` that RESUME_OVERRIDES allows.
+
+    Example:
+        >>> resumed_config(state["config"], cfg, ["trainer.resume", "linear"])
+    """
+    refused = [key for key in overridden_keys if not any(
+        key == allowed or key.startswith(f"{allowed}.") for allowed in RESUME_OVERRIDES
+    )]
+    if refused:
+        raise CheckpointError(
+            f"{', '.join(refused)} cannot change when resuming: a run continues with its checkpoint's config "
+            f"(changeable: {', '.join(RESUME_OVERRIDES)}); start a new run for other settings"
+        )
+    result = OmegaConf.create(saved)
+    for key in cfg:  # settings newer than the checkpoint keep their defaults
+        if key not in result:
+            result[key] = cfg[key]
+    result.trainer = OmegaConf.merge(cfg.trainer, result.trainer)
+    for key in overridden_keys:
+        OmegaConf.update(result, key, OmegaConf.select(cfg, key), merge=False)
+    return result
