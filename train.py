@@ -396,7 +396,8 @@ def describe(cfg, device, num_params):
     return (
         f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
-        f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | {device}, {torch.get_num_threads()} threads | "
+        f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | "
+        f"{device}, {torch.get_num_threads()} threads | "
         f"{num_params:,} parameters"
     )
 
