@@ -5,57 +5,91 @@ from torch.utils.data import DataLoader, TensorDataset
 LOADER_KINDS = ("memory", "dataloader")
 
 
+def batch_indices(num_samples, batch_size, shuffle, generator, rank=0, world_size=1, device=None):
+    """Index tensors of one epoch's batches for process `rank` of `world_size` (torchrun's ranks).
+
+    The order (drawn from `generator` when shuffling, else 0..num_samples-1) is cut into batches of
+    `batch_size`, and each batch is dealt out: process r takes every world_size-th index from the r-th.
+    Together the processes take exactly the batches one process would take alone, in the same order.
+
+    Example:
+        >>> [index.tolist() for index in batch_indices(5, 4, False, None, rank=1, world_size=2)]
+        [[1, 3], []]
+    """
+    order = torch.randperm(num_samples, generator=generator) if shuffle else torch.arange(num_samples)
+    order = order.to(device)
+    for start in range(0, num_samples, batch_size):
+        yield order[start : start + batch_size][rank::world_size]
+
+
 class InMemoryLoader:
     """Yields (images, labels) batches indexed from tensors already on the training device.
 
     Each pass draws a fresh shuffled order from its own generator, so the data order depends only on the
     seed. No worker processes and no per-batch copies between devices: at batch 128 that overhead would
-    cost as much as the model's matrix products.
+    cost as much as the model's matrix products. Under torchrun each rank gets its share of every batch
+    (batch_indices).
 
     Example:
         >>> loader = InMemoryLoader(images, labels, batch_size=128, shuffle=True, seed=0)
         >>> for batch_images, batch_labels in loader: ...
     """
 
-    def __init__(self, images, labels, batch_size, shuffle, seed=0):
+    def __init__(self, images, labels, batch_size, shuffle, seed=0, rank=0, world_size=1):
         self.images, self.labels = images, labels
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.generator = torch.Generator().manual_seed(seed)
+        self.rank, self.world_size = rank, world_size
 
     def __len__(self):
         return -(-len(self.labels) // self.batch_size)
 
     def __iter__(self):
-        if self.shuffle:
-            order = torch.randperm(len(self.labels), generator=self.generator).to(self.images.device)
-            for start in range(0, len(order), self.batch_size):
-                index = order[start : start + self.batch_size]
-                yield self.images[index], self.labels[index]
-        else:
-            for start in range(0, len(self.labels), self.batch_size):
-                yield self.images[start : start + self.batch_size], self.labels[start : start + self.batch_size]
+        for index in batch_indices(
+            len(self.labels), self.batch_size, self.shuffle, self.generator, self.rank, self.world_size,
+            self.images.device,
+        ):
+            yield self.images[index], self.labels[index]
 
 
-def make_loader(images, labels, batch_size, shuffle, kind, device, num_workers=0, seed=0):
+class ShardedBatchSampler:
+    """batch_indices as lists, for torch's DataLoader (its batch_sampler)."""
+
+    def __init__(self, num_samples, batch_size, shuffle, generator, rank, world_size):
+        self.num_samples, self.batch_size, self.shuffle = num_samples, batch_size, shuffle
+        self.generator, self.rank, self.world_size = generator, rank, world_size
+
+    def __len__(self):
+        return -(-self.num_samples // self.batch_size)
+
+    def __iter__(self):
+        for index in batch_indices(
+            self.num_samples, self.batch_size, self.shuffle, self.generator, self.rank, self.world_size
+        ):
+            yield index.tolist()
+
+
+def make_loader(images, labels, batch_size, shuffle, kind, device, num_workers=0, seed=0, rank=0, world_size=1):
     """A loader of the given kind ("memory" or "dataloader") over CPU tensors `images`, `labels`.
 
     "memory" moves the tensors to `device` once; "dataloader" leaves them on the CPU and the training
-    loop moves each batch.
+    loop moves each batch. With world_size > 1 (torchrun) each of the `batch_size` batches is shared out
+    among the processes and this one, `rank`, gets its part.
 
     Example:
         >>> loader = make_loader(data.train_images, data.train_labels, 128, True, "memory", torch.device("cpu"))
     """
     if kind == "memory":
-        return InMemoryLoader(images.to(device), labels.to(device), batch_size, shuffle, seed)
+        return InMemoryLoader(images.to(device), labels.to(device), batch_size, shuffle, seed, rank, world_size)
     if kind == "dataloader":
+        generator = torch.Generator().manual_seed(seed)
         return DataLoader(
             TensorDataset(images, labels),
-            batch_size=batch_size,
-            shuffle=shuffle,
+            batch_sampler=ShardedBatchSampler(len(labels), batch_size, shuffle, generator, rank, world_size),
             num_workers=num_workers,
             pin_memory=device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed),
+            generator=generator,
             persistent_workers=num_workers > 0,
         )
     raise ValueError(f"unknown loader {kind!r}; choose one of {', '.join(LOADER_KINDS)}")
