@@ -57,7 +57,8 @@ static_assert(kMC * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kL2Bytes
 constexpr int64_t kNC = 4096;
 
 // Below this many flops one thread finishes before a second one wakes up (a few
-// microseconds), so small products stay on the calling thread.
+// microseconds), so small products stay on the calling thread, as do calls made
+// from inside another parallel region (no nested oversubscription).
 constexpr double kParallelMinFlops = 4e6;
 
 // Slabs per thread when running in parallel and no operand is re-packed per
@@ -306,7 +307,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow : kernels.wide;
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
   const bool small = 2.0 * M * N * K < kParallelMinFlops;
-  const int64_t threads = small ? 1 : at::get_num_threads();
+  const int64_t threads = small || at::in_parallel_region() ? 1 : at::get_num_threads();
   // Split the wider side: each slab re-packs the other operand's part, so split
   // where that part is smaller (A is M x K, B is K x N) while every slab has a panel.
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads);
