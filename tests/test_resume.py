@@ -1,0 +1,256 @@
+"""Never lose a run: killed (SIGKILL, Ctrl-C) at any moment and resumed, a run ends exactly like one left
+alone; checkpoints are atomic, move between linear=custom and linear=torch, and evaluate on their own."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import checkpoint
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCHS = 3
+STEPS_PER_EPOCH = 23  # digits: 1,438 training images in batches of 64
+# dropout draws from torch's RNG every step: an exact resume must restore it, not only the data order
+RUN = [f"trainer.epochs={EPOCHS}", "model.dropout=0.2"]
+EXACT_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "lr"]  # all but the timings
+
+# Runs train.py as `python train.py ...` does, with one event injected at the N-th call of a function:
+#   python HOOKED_TRAIN <event> <N> <train.py arguments>
+HOOKED_TRAIN = """
+import errno, os, runpy, signal, sys
+import torch
+
+repo, event, at_call = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.argv = [os.path.join(repo, "train.py"), *sys.argv[4:]]
+sys.path.insert(0, repo)
+calls = 0
+
+def hook(owner, name, action, counts=lambda *args, **kwargs: True):
+    original = getattr(owner, name)
+    def hooked(*args, **kwargs):
+        global calls
+        if counts(*args, **kwargs):
+            calls += 1
+            if calls == at_call:
+                return action(original, *args, **kwargs)
+        return original(*args, **kwargs)
+    setattr(owner, name, hooked)
+
+def kill(signal_number):
+    def action(original, *args, **kwargs):
+        os.kill(os.getpid(), signal_number)
+        return original(*args, **kwargs)
+    return action
+
+def disk_full(original, state, file):
+    file.write(b"half a checkpoint")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+def nan_loss(original, *args, **kwargs):
+    return original(*args, **kwargs) * float("nan")
+
+if event == "sigkill-in-step":
+    hook(torch.Tensor, "backward", kill(signal.SIGKILL))
+elif event == "sigint-in-step":
+    hook(torch.Tensor, "backward", kill(signal.SIGINT))
+elif event == "sigkill-before-rename":
+    hook(os, "replace", kill(signal.SIGKILL), counts=lambda source, target: str(target).endswith("last.pt"))
+elif event == "disk-full":
+    hook(torch, "save", disk_full)
+elif event == "nan-loss":
+    # training's calls only: evaluation asks for reduction="sum"
+    hook(torch.nn.functional, "cross_entropy", nan_loss, counts=lambda *args, **kwargs: "reduction" not in kwargs)
+else:
+    raise SystemExit(f"unknown event {event}")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def train_command(args, cwd, hooked=None, env=None):
+    """Run train.py (through HOOKED_TRAIN when `hooked` = (event, call)); returns the CompletedProcess."""
+    if hooked:
+        script = Path(cwd) / "hooked_train.py"
+        script.write_text(HOOKED_TRAIN)
+        command = [sys.executable, str(script), str(REPO), hooked[0], str(hooked[1]), *args]
+    else:
+        command = [sys.executable, str(REPO / "train.py"), *args]
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=environment)
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if "No CUDA runtime" not in line]  # torch's own notice
+
+
+def scalars(run_dir):
+    accumulator = EventAccumulator(str(run_dir))
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def epoch_lines(text):
+    """A train.log's per-epoch figures, without the timings."""
+    return re.findall(r"(epoch \d+/\d+: train loss .* acc .*% \| val loss .* acc .*%) \|", text)
+
+
+def epochs_kept(run_dir):
+    """The per-epoch lines of a resumed run's train.log that its checkpoints kept: a killed run may have
+    logged an epoch whose checkpoint never landed, and the resumed run logs that epoch again."""
+    before, _, after = (run_dir / "train.log").read_text().rpartition("resumed after epoch ")
+    return epoch_lines(before)[: int(re.match(r"\d+", after).group())] + epoch_lines(after)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run left alone."""
+    cwd = tmp_path_factory.mktemp("reference")
+    result = train_command([*RUN, f"hydra.run.dir={cwd / 'run'}"], cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return cwd / "run"
+
+
+def assert_same_run(run_dir, reference_dir):
+    resumed, alone = (torch.load(path / "last.pt", weights_only=True) for path in (run_dir, reference_dir))
+    assert resumed["epoch"] == alone["epoch"] == EPOCHS and resumed["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    for key, value in alone["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+    assert all(torch.equal(resumed["optimizer"]["state"][p]["exp_avg"], state["exp_avg"])
+               for p, state in alone["optimizer"]["state"].items())
+    logged, logged_alone = scalars(run_dir), scalars(reference_dir)
+    for tag in logged_alone:  # one value per epoch per tag, nothing duplicated or missing
+        assert [step for step, _ in logged[tag]] == [step for step, _ in logged_alone[tag]], tag
+    for tag in EXACT_TAGS:
+        assert logged[tag] == logged_alone[tag], tag
+    assert epochs_kept(run_dir) == epoch_lines((reference_dir / "train.log").read_text())  # train.log appended
+    assert not list(run_dir.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("event, at_call, epochs_logged", [
+    ("sigkill-in-step", STEPS_PER_EPOCH + 10, [1]),  # in epoch 2's 10th step; last.pt: epoch 1
+    ("sigkill-before-rename", 2, [1, 2]),  # epoch 2 logged, its last.pt never renamed into place
+])
+def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path, reference, event, at_call, epochs_logged):
+    run_dir = tmp_path / "run"
+    killed = train_command([*RUN, f"hydra.run.dir={run_dir}"], tmp_path, hooked=(event, at_call))
+    assert killed.returncode == -9
+    assert torch.load(run_dir / "last.pt", weights_only=True)["epoch"] == 1
+    assert [step for step, _ in scalars(run_dir)["val/acc"]] == epochs_logged
+
+    resumed = train_command([f"trainer.resume={run_dir}"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed after epoch 1 from {run_dir / 'last.pt'}" in resumed.stdout
+    assert_same_run(run_dir, reference)
+    assert not (tmp_path / "outputs").exists()  # the run went on in its own folder
+
+
+def test_ctrl_c_keeps_the_last_epoch_and_prints_the_command_that_resumes(tmp_path, reference):
+    # the run folder's name has the characters Hydra's grammar reads as syntax
+    run_dir = tmp_path / "mlp_optim.lr=0.001,trainer.epochs=3"
+    stopped = train_command([*RUN, f"hydra.run.dir='{run_dir}'"], tmp_path, hooked=("sigint-in-step", 2 * STEPS_PER_EPOCH + 5))
+    assert stopped.returncode == 130
+    assert torch.load(run_dir / "last.pt", weights_only=True)["epoch"] == 2
+    assert [step for step, _ in scalars(run_dir)["val/acc"]] == [1, 2]  # the logs were flushed
+    (command,) = re.findall(r"resume with: (.*)", stopped.stdout)
+    assert f"resume with: {command}" in (run_dir / "train.log").read_text()
+
+    program, script, *args = shlex.split(command)
+    assert (program, script) == ("python", "train.py")
+    resumed = train_command(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_run(run_dir, reference)
+
+
+def test_best_checkpoint_is_the_epoch_with_the_best_val_acc(reference):
+    val_accs = [value for _, value in scalars(reference)["val/acc"]]
+    best = torch.load(reference / "best.pt", weights_only=True)
+    assert best["epoch"] == 1 + val_accs.index(max(val_accs))
+    assert best["best_val_acc"] == pytest.approx(max(val_accs))
+
+
+def test_eval_only_reproduces_the_final_val_acc_and_trains_nothing(tmp_path, reference):
+    before = {path.name: path.stat().st_mtime_ns for path in reference.iterdir()}
+    result = train_command(["trainer.eval_only=true", f"trainer.resume={reference / 'last.pt'}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (evaluated,) = re.findall(r"eval: (val loss \S+ acc \S+%)", result.stdout)
+    assert epoch_lines((reference / "train.log").read_text())[-1].endswith(evaluated)
+    assert f"eval: {evaluated}" in (reference / "train.log").read_text()
+    assert {path.name: path.stat().st_mtime_ns for path in reference.iterdir() if path.name != "train.log"} == {
+        name: mtime for name, mtime in before.items() if name != "train.log"
+    }
+
+
+def interrupted_run(run_dir, overrides, at_epoch, monkeypatch):
+    """A run in this process stopped by Ctrl-C at the start of epoch `at_epoch`."""
+    train_one_epoch, epochs = train.train_one_epoch, []
+
+    def interrupt_at_epoch(*args, **kwargs):
+        epochs.append(None)
+        if len(epochs) == at_epoch:
+            raise KeyboardInterrupt
+        return train_one_epoch(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "train_one_epoch", interrupt_at_epoch)
+        with pytest.raises(KeyboardInterrupt):
+            train.fit(train.load_config(overrides), run_dir)
+
+
+def resume_in_process(run_dir, overrides):
+    """What `python train.py trainer.resume=<run_dir> <overrides>` runs."""
+    overrides = [f"trainer.resume={run_dir}", *overrides]
+    cfg = train.load_config(overrides)
+    state = checkpoint.load(run_dir)
+    cfg = checkpoint.resumed_config(state["config"], cfg, [override.split("=")[0] for override in overrides])
+    train.validate(cfg)
+    return train.fit(cfg, run_dir)
+
+
+@pytest.mark.parametrize("saved, resumed", [("custom", "torch"), ("torch", "custom")])
+def test_checkpoint_moves_between_linear_implementations(tmp_path, monkeypatch, saved, resumed):
+    interrupted_run(tmp_path, [f"linear={saved}", "trainer.epochs=2"], at_epoch=2, monkeypatch=monkeypatch)
+    state = checkpoint.load(tmp_path)
+    assert state["epoch"] == 1 and state["config"]["linear"]["name"] == saved
+
+    cfg = train.load_config([f"linear={resumed}"])
+    dataset = train.read_dataset(cfg.data)
+    model = train.make_model(cfg, dataset, torch.device("cpu"))
+    checkpoint.load_model_state(model, state["model"], tmp_path / "last.pt")
+    saved_model = train.make_model(train.load_config([f"linear={saved}"]), dataset, torch.device("cpu"))
+    saved_model.load_state_dict(state["model"])
+    model.eval(), saved_model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(dataset.val_images), saved_model(dataset.val_images))
+
+    val_acc = resume_in_process(tmp_path, [f"linear={resumed}"])
+    final = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert final["epoch"] == 2 and final["config"]["linear"]["name"] == resumed and val_acc >= 0.85
+
+
+def test_resume_refuses_settings_that_would_change_the_run(tmp_path, monkeypatch):
+    interrupted_run(tmp_path, ["trainer.epochs=2"], at_epoch=2, monkeypatch=monkeypatch)
+    with pytest.raises(checkpoint.CheckpointError, match=r"optim.lr cannot change when resuming"):
+        resume_in_process(tmp_path, ["optim.lr=0.1"])
+
+
+@pytest.mark.parametrize("loader", ["memory", "dataloader"])
+def test_rng_state_restores_the_data_order_of_either_loader(loader):
+    cfg = train.load_config([f"data.loader={loader}"])
+    dataset = train.read_dataset(cfg.data)
+    orders = []
+    for restore in (False, True):
+        train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
+        next(iter(train_loader))  # epoch 1
+        state = checkpoint.rng_state(train_loader.generator)
+        if restore:  # a fresh loader, as a resumed run builds it
+            train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
+            checkpoint.restore_rng(state, train_loader.generator)
+        orders.append([labels for _, labels in train_loader])  # epoch 2
+    assert all(torch.equal(a, b) for a, b in zip(*orders))
