@@ -14,13 +14,14 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import hydra
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -28,6 +29,7 @@ from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 from tqdm import tqdm
@@ -236,6 +238,68 @@ def threads_per_process(setting):
     return max(1, cores // processes)
 
 
+# --- several processes, one run: torchrun + DistributedDataParallel ----------------------------------
+
+
+def world():
+    """(rank, number of processes): (0, 1) unless torchrun started this process among others."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def join_process_group(device):
+    """Under torchrun with more than one process, join their group: nccl between GPUs, gloo on the CPU.
+
+    Returns the device this process trains on (on GPUs its own, cuda:LOCAL_RANK). torchrun's environment
+    (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) says where the others are.
+    """
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def torchrun_arguments(argv):
+    """Hydra overrides for torchrun's ranks other than 0: no run folder and no console log of their own
+    (rank 0 writes the run's folder and prints its log)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and {"-m", "--multirun"} & set(argv):
+        fail("torchrun trains one run on several processes; start sweeps (-m) without torchrun")
+    if int(os.environ.get("RANK", 0)) == 0:
+        return []
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+
+
+def step_batch_size(local_size, device):
+    """The number of samples in this step's batch over all processes (each holds a part of it)."""
+    if world()[1] == 1:
+        return local_size
+    size = torch.tensor(local_size, device=device)
+    dist.all_reduce(size)
+    return size
+
+
+def summed_over_processes(values, device):
+    """Each of `values` (numbers) summed over all processes: metrics of the whole dataset, not one shard."""
+    if world()[1] == 1:
+        return values
+    totals = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return totals.tolist()
+
+
+def training_module(model, device):
+    """What the training steps call: `model`, in DistributedDataParallel under torchrun (which averages the
+    processes' gradients). Checkpoints keep saving `model` itself, so their keys do not change."""
+    if world()[1] > 1:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 def dataset_options(data_cfg):
     """The data config minus the loader's own settings: what data.load_data takes."""
     loader_keys = ("batch_size", "num_workers", "loader")
@@ -267,10 +331,13 @@ def read_dataset(data_cfg):
 
 
 def make_loaders(cfg, dataset, device):
-    """(train, val) loaders; only the training one shuffles, in an order set by the seed."""
+    """(train, val) loaders; only the training one shuffles, in an order set by the seed. Under torchrun
+    each process gets its part of every batch."""
+    rank, world_size = world()
     return tuple(
         data.make_loader(
-            images, labels, cfg.data.batch_size, shuffle, cfg.data.loader, device, cfg.data.num_workers, cfg.seed
+            images, labels, cfg.data.batch_size, shuffle, cfg.data.loader, device, cfg.data.num_workers, cfg.seed,
+            rank, world_size,
         )
         for images, labels, shuffle in (
             (dataset.train_images, dataset.train_labels, True),
@@ -341,6 +408,7 @@ def train_one_epoch(model, loader, optimizer, device, progress=None):
     on the CPU (where reading is free) at its step, on a GPU within PROGRESS_EVERY_STEPS steps.
     """
     model.train()
+    _, world_size = world()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     num_samples = 0
@@ -349,11 +417,14 @@ def train_one_epoch(model, loader, optimizer, device, progress=None):
     for step, (images, labels) in enumerate(loader, 1):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         logits = model(images)
-        loss = F.cross_entropy(logits, labels)
+        batch_loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+        # the mean over the step's whole batch; under torchrun this process holds a part of it and DDP
+        # averages the processes' gradients, hence the factor world_size
+        loss = batch_loss_sum / step_batch_size(len(labels), device) * world_size
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        loss_sum.add_(loss.detach(), alpha=len(labels))
+        loss_sum += batch_loss_sum.detach()
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
         # the sum stays NaN/inf once one loss was; a GPU is only asked now and then (each read syncs)
@@ -367,7 +438,8 @@ def train_one_epoch(model, loader, optimizer, device, progress=None):
     epoch_s = time.perf_counter() - start_s
     if not math.isfinite(loss_sum.item()):
         raise NonFiniteLoss(step, loss.item())
-    return EpochStats(loss_sum.item() / num_samples, correct.item() / num_samples, epoch_s, num_samples / epoch_s)
+    loss_sum, correct, num_samples = summed_over_processes([loss_sum.item(), correct.item(), num_samples], device)
+    return EpochStats(loss_sum / num_samples, correct / num_samples, epoch_s, num_samples / epoch_s)
 
 
 @torch.no_grad()
@@ -383,7 +455,8 @@ def evaluate(model, loader, device):
         loss_sum += F.cross_entropy(logits, labels, reduction="sum")
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
-    return loss_sum.item() / num_samples, correct.item() / num_samples
+    loss_sum, correct, num_samples = summed_over_processes([loss_sum.item(), correct.item(), num_samples], device)
+    return loss_sum / num_samples, correct / num_samples
 
 
 def class_name(node):
@@ -478,6 +551,8 @@ def fit(cfg, run_dir):
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    device = join_process_group(pick_device(cfg.trainer.device))
+    is_main = world()[0] == 0  # under torchrun rank 0 alone writes train.log, events, checkpoints, summary
     resume_path = checkpoint.find(cfg.trainer.resume) if cfg.trainer.resume else None
     resumed = checkpoint.load(resume_path) if resume_path else None
     first_epoch = resumed["epoch"] + 1 if resumed else 1
@@ -488,19 +563,19 @@ def fit(cfg, run_dir):
         )
     # purge_step: TensorBoard drops what the interrupted run logged after its checkpoint
     with (
-        logging_to(run_dir / "train.log"),
-        SummaryWriter(run_dir, purge_step=first_epoch if resumed else None) as writer,
+        logging_to(run_dir / "train.log") if is_main else nullcontext(),
+        SummaryWriter(run_dir, purge_step=first_epoch if resumed else None) if is_main else nullcontext() as writer,
         reporting_interrupts(run_dir),
     ):
-        device = pick_device(cfg.trainer.device)
         dataset = read_dataset(cfg.data)
         model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
+        step_model = training_module(model, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())
         description = describe(cfg, device, num_params)
         log.info(f"run: {description}")
         log.info(f"folder: {run_dir}")
 
-        show_progress = sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
+        show_progress = is_main and sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
         epoch_times_s = []
         history = []  # each epoch's metrics, for summary.json
         global_step, best_val_acc = 0, -1.0
@@ -516,12 +591,12 @@ def fit(cfg, run_dir):
                     total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
                     unit_scale=True, leave=False, disable=not show_progress,
                 ) as bar:
-                    stats = train_one_epoch(model, train_loader, optimizer, device, bar if show_progress else None)
+                    stats = train_one_epoch(step_model, train_loader, optimizer, device, bar if show_progress else None)
             except NonFiniteLoss as error:
                 kept = f"{run_dir / checkpoint.LAST_NAME} keeps epoch {epoch - 1}" if epoch > 1 else "no epoch finished"
                 raise RunStopped(
                     f"loss became {error.loss} in epoch {epoch}, step {error.step} (global step "
-                    f"{global_step + error.step}); {kept}; try a lower learning rate (optim.lr={lr / 10:g}) "
+                    f"{global_step + error.step}); {kept}; try a lower learning rate (optim.lr={cfg.optim.lr / 10:g}) "
                     "in a new run"
                 ) from error
             global_step += len(train_loader)
@@ -539,32 +614,35 @@ def fit(cfg, run_dir):
                 "lr": lr,
             }
             history.append(metrics)
-            for tag, value in metrics.items():
-                writer.add_scalar(tag, value, epoch)
+            if is_main:
+                for tag, value in metrics.items():
+                    writer.add_scalar(tag, value, epoch)
+                writer.flush()  # the epoch's events are on disk before its checkpoint is
             log.info(
                 f"epoch {epoch}/{cfg.trainer.epochs}: train loss {stats.loss:.4f} acc {stats.acc:.2%} | "
                 f"val loss {val_loss:.4f} acc {val_acc:.2%} | {stats.epoch_s:.3f} s "
                 f"{stats.samples_per_s:,.0f} samples/s | lr {lr:.3g}"
             )
-            writer.flush()  # the epoch's events are on disk before its checkpoint is
             is_best = val_acc > best_val_acc
             best_val_acc = max(best_val_acc, val_acc)
             state = checkpoint.training_state(
                 epoch, global_step, model, optimizer, scheduler, train_loader.generator, cfg,
                 best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history,
             )
-            checkpoint.save_epoch(state, run_dir, is_best)
+            if is_main:
+                checkpoint.save_epoch(state, run_dir, is_best)
 
         epoch_s_mean = sum(epoch_times_s) / len(epoch_times_s)
-        writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
-        # Only the session's hparams, no per-run "experiment": TensorBoard then builds the HParams table
-        # from every run's hparams (runs of different models have different keys) and shows each scalar
-        # tag's last value as a metric column: final val/acc, time/epoch_s_mean, ...
-        _, session_start, session_end = hparams(hparams_of(cfg, device, num_params), {})
-        writer.file_writer.add_summary(session_start)
-        writer.file_writer.add_summary(session_end)
         log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s | {description}")
-        sweep_summary.write_run_summary(run_dir, history, num_params)
+        if is_main:
+            writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
+            # Only the session's hparams, no per-run "experiment": TensorBoard then builds the HParams table
+            # from every run's hparams (runs of different models have different keys) and shows each scalar
+            # tag's last value as a metric column: final val/acc, time/epoch_s_mean, ...
+            _, session_start, session_end = hparams(hparams_of(cfg, device, num_params), {})
+            writer.file_writer.add_summary(session_start)
+            writer.file_writer.add_summary(session_end)
+            sweep_summary.write_run_summary(run_dir, history, num_params)
     return val_acc
 
 
@@ -610,6 +688,8 @@ def main(cfg: DictConfig) -> float:
         if cfg.trainer.eval_only:
             return evaluate_checkpoint(cfg, run_dir)
         fit(cfg, run_dir)
+        if world()[0] > 0:
+            return None  # rank 0 reports the run
         return sweep_summary.read_run_summary(run_dir)[cfg.trainer.objective]  # what hydra/sweeper=optuna optimises
     except ConfigError as error:
         fail(str(error))
@@ -627,4 +707,7 @@ def main(cfg: DictConfig) -> float:
 if __name__ == "__main__":
     sys.argv[1:] = resume_arguments(sys.argv[1:])
     check_command_line(sys.argv[1:])
+    sys.argv += torchrun_arguments(sys.argv[1:])
     main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
