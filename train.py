@@ -11,15 +11,17 @@ import itertools
 import logging
 import math
 import os
+import random
 import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
@@ -145,6 +147,10 @@ RULES = (
     ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
     ("trainer.resume", lambda v: v is None or isinstance(v, str), "a run folder or checkpoint file"),
     ("trainer.eval_only", lambda v: isinstance(v, bool), "true or false"),
+    ("trainer.amp", lambda v: isinstance(v, bool), "true or false"),
+    ("trainer.compile", lambda v: isinstance(v, bool), "true or false"),
+    ("trainer.channels_last", lambda v: isinstance(v, bool), "true or false"),
+    ("trainer.deterministic", lambda v: isinstance(v, bool), "true or false"),
     ("trainer.threads", lambda v: v == "auto" or (is_int(v) and v > 0), "auto or a positive integer"),
     ("trainer.objective", lambda v: v in sweep_summary.OBJECTIVES, f"one of {', '.join(sweep_summary.OBJECTIVES)}"),
 )
@@ -292,12 +298,57 @@ def summed_over_processes(values, device):
     return totals.tolist()
 
 
-def training_module(model, device):
-    """What the training steps call: `model`, in DistributedDataParallel under torchrun (which averages the
-    processes' gradients). Checkpoints keep saving `model` itself, so their keys do not change."""
+def training_module(model, cfg, device):
+    """What the training steps call: `model` (in channels_last memory for trainer.channels_last), in
+    DistributedDataParallel under torchrun (which averages the processes' gradients), compiled for
+    trainer.compile. Checkpoints keep saving `model` itself, so their keys do not change."""
+    if cfg.trainer.channels_last:
+        model.to(memory_format=torch.channels_last)  # in place
     if world()[1] > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.trainer.compile:
+        model = torch.compile(model)
     return model
+
+
+# --- switches: mixed precision, memory format, determinism --------------------------------------------
+
+
+@dataclass
+class StepSettings:
+    """How training and evaluation steps run: under autocast to `autocast_dtype` (None: no autocast), with
+    `scaler` (a GradScaler; it scales only for float16) and images in `memory_format`."""
+
+    autocast_dtype: torch.dtype | None = None
+    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    memory_format: torch.memory_format = torch.preserve_format
+
+
+def step_settings(cfg, device):
+    """StepSettings for trainer.amp and trainer.channels_last on `device`.
+
+    AMP is bfloat16 on the CPU and on GPUs that have it; older GPUs get float16, whose small range needs
+    the loss scaled (GradScaler). Our op runs in float32 under CPU autocast and in the autocast dtype on GPUs.
+    """
+    dtype = None
+    if cfg.trainer.amp:
+        dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    return StepSettings(
+        autocast_dtype=dtype,
+        scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+        memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format,
+    )
+
+
+def make_deterministic(seed):
+    """trainer.deterministic: the same run gives the same bits. Deterministic kernels only (an op without
+    one raises), and every generator seeded: Python's, NumPy's and torch's (CPU and CUDA)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def dataset_options(data_cfg):
@@ -400,13 +451,14 @@ class RunStopped(Exception):
     """The run cannot go on; the message says why, what was kept, and what to try."""
 
 
-def train_one_epoch(model, loader, optimizer, device, progress=None):
+def train_one_epoch(model, loader, optimizer, device, progress=None, settings=None):
     """One pass over `loader` with one optimizer step per batch; returns EpochStats.
 
     Loss and correct counts accumulate on the device and are read once at the end: reading them every
     step would make the host wait for the device every step. A NaN or infinite loss raises NonFiniteLoss:
     on the CPU (where reading is free) at its step, on a GPU within PROGRESS_EVERY_STEPS steps.
     """
+    settings = settings or StepSettings()
     model.train()
     _, world_size = world()
     loss_sum = torch.zeros((), device=device)
@@ -415,15 +467,18 @@ def train_one_epoch(model, loader, optimizer, device, progress=None):
     synchronize(device)
     start_s = time.perf_counter()
     for step, (images, labels) in enumerate(loader, 1):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(images)
-        batch_loss_sum = F.cross_entropy(logits, labels, reduction="sum")
+        images = images.to(device, non_blocking=True, memory_format=settings.memory_format)
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
+            logits = model(images)
+            batch_loss_sum = F.cross_entropy(logits, labels, reduction="sum")
         # the mean over the step's whole batch; under torchrun this process holds a part of it and DDP
         # averages the processes' gradients, hence the factor world_size
         loss = batch_loss_sum / step_batch_size(len(labels), device) * world_size
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        settings.scaler.scale(loss).backward()
+        settings.scaler.step(optimizer)
+        settings.scaler.update()
         loss_sum += batch_loss_sum.detach()
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
@@ -443,16 +498,19 @@ def train_one_epoch(model, loader, optimizer, device, progress=None):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
+def evaluate(model, loader, device, settings=None):
     """(mean loss, accuracy) over `loader`."""
+    settings = settings or StepSettings()
     model.eval()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     num_samples = 0
     for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(images)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        images = images.to(device, non_blocking=True, memory_format=settings.memory_format)
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
+            logits = model(images)
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum")
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
     loss_sum, correct, num_samples = summed_over_processes([loss_sum.item(), correct.item(), num_samples], device)
@@ -552,6 +610,8 @@ def fit(cfg, run_dir):
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     device = join_process_group(pick_device(cfg.trainer.device))
+    if cfg.trainer.deterministic:
+        make_deterministic(cfg.seed)
     is_main = world()[0] == 0  # under torchrun rank 0 alone writes train.log, events, checkpoints, summary
     resume_path = checkpoint.find(cfg.trainer.resume) if cfg.trainer.resume else None
     resumed = checkpoint.load(resume_path) if resume_path else None
@@ -569,7 +629,8 @@ def fit(cfg, run_dir):
     ):
         dataset = read_dataset(cfg.data)
         model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
-        step_model = training_module(model, device)
+        step_model = training_module(model, cfg, device)
+        settings = step_settings(cfg, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())
         description = describe(cfg, device, num_params)
         log.info(f"run: {description}")
@@ -591,7 +652,9 @@ def fit(cfg, run_dir):
                     total=len(dataset.train_labels), desc=f"epoch {epoch}/{cfg.trainer.epochs}", unit="img",
                     unit_scale=True, leave=False, disable=not show_progress,
                 ) as bar:
-                    stats = train_one_epoch(step_model, train_loader, optimizer, device, bar if show_progress else None)
+                    stats = train_one_epoch(
+                        step_model, train_loader, optimizer, device, bar if show_progress else None, settings
+                    )
             except NonFiniteLoss as error:
                 kept = f"{run_dir / checkpoint.LAST_NAME} keeps epoch {epoch - 1}" if epoch > 1 else "no epoch finished"
                 raise RunStopped(
@@ -600,7 +663,7 @@ def fit(cfg, run_dir):
                     "in a new run"
                 ) from error
             global_step += len(train_loader)
-            val_loss, val_acc = evaluate(model, val_loader, device)
+            val_loss, val_acc = evaluate(model, val_loader, device, settings)
             scheduler.step()
             epoch_times_s.append(stats.epoch_s)
 

@@ -1,0 +1,152 @@
+"""Hostile input gets one clear line, a non-zero exit and loses nothing: NaN loss, full disk, bad
+checkpoints, missing or corrupt datasets, an unwritable data.root."""
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+
+import checkpoint
+import train
+from test_resume import STEPS_PER_EPOCH, error_lines, scalars, train_command
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory):
+    """A finished two-epoch run: the checkpoint every test below must leave usable."""
+    run_dir = tmp_path_factory.mktemp("good")
+    train.fit(train.load_config(["trainer.epochs=2"]), run_dir)
+    return run_dir
+
+
+def assert_one_line_error(result, *phrases):
+    lines = error_lines(result)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert all(phrase in lines[0] for phrase in phrases), lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def assert_loads(path, epoch):
+    state = checkpoint.load(path)
+    assert state["epoch"] == epoch and all(value.isfinite().all() for value in state["model"].values())
+
+
+def test_nan_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    result = train_command(["trainer.epochs=3", f"hydra.run.dir={run_dir}"], tmp_path,
+                           hooked=("nan-loss", STEPS_PER_EPOCH + 5))
+    assert_one_line_error(
+        result, f"loss became nan in epoch 2, step 5 (global step {STEPS_PER_EPOCH + 5})",
+        f"{run_dir / 'last.pt'} keeps epoch 1", "try a lower learning rate (optim.lr=0.0001)",
+    )
+    assert_loads(run_dir / "last.pt", epoch=1)
+    assert [step for step, _ in scalars(run_dir)["val/acc"]] == [1]
+    log_text = (run_dir / "train.log").read_text()
+    assert "Traceback" in log_text and "NonFiniteLoss" in log_text  # the details are kept, off the terminal
+
+
+@pytest.mark.parametrize("full_error", [False, True])
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path, full_error):
+    run_dir = tmp_path / "run"
+    result = train_command(["trainer.epochs=3", f"hydra.run.dir={run_dir}"], tmp_path, hooked=("disk-full", 2),
+                           env={"HYDRA_FULL_ERROR": "1"} if full_error else {})
+    if full_error:  # the user asked for the traceback on the terminal
+        assert result.returncode == 1 and "Traceback" in result.stderr and "No space left" in result.stderr
+    else:
+        assert_one_line_error(
+            result, f"disk full while writing {run_dir / 'last.pt'}; the previous checkpoint is intact",
+            "free some space, then resume with: python train.py trainer.resume=",
+        )
+        assert "Traceback" in (run_dir / "train.log").read_text()
+    assert_loads(run_dir / "last.pt", epoch=1)
+    assert not list(run_dir.glob("*.tmp"))
+
+
+def test_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    checkpoint.save_atomic({"epoch": 1}, path)
+
+    def fail_halfway(error):
+        def save(state, file):
+            file.write(b"half a checkpoint")
+            raise error
+        return save
+
+    monkeypatch.setattr(torch, "save", fail_halfway(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(checkpoint.CheckpointError, match="disk full while writing .*; the previous checkpoint is intact"):
+        checkpoint.save_atomic({"epoch": 2}, path)
+    monkeypatch.setattr(torch, "save", fail_halfway(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_atomic({"epoch": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path)["epoch"] == 1 and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_truncated_checkpoint_is_refused_in_one_line(tmp_path, good_run):
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    content = (good_run / "last.pt").read_bytes()
+    (bad_dir / "last.pt").write_bytes(content[: len(content) // 2])
+    result = train_command([f"trainer.resume={bad_dir}"], tmp_path)
+    assert_one_line_error(result, f"{bad_dir / 'last.pt'} is truncated or corrupt", "resume from another checkpoint")
+    assert (bad_dir / "last.pt").read_bytes() == content[: len(content) // 2]  # left as it was
+    assert_loads(good_run / "last.pt", epoch=2)
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda path: path.write_bytes(os.urandom(4096)), "is truncated or corrupt"),
+    (lambda path: torch.save({"weights": torch.zeros(3)}, path), "is not a linear-lab checkpoint (no epoch"),
+    (lambda path: torch.save({"epoch": shutil.rmtree}, path), "is truncated or corrupt"),  # code, not data
+])
+def test_unusable_checkpoint_files_are_named(tmp_path, write, message):
+    write(tmp_path / "some.pt")
+    with pytest.raises(checkpoint.CheckpointError, match=message.replace("(", r"\(")):
+        checkpoint.load(tmp_path / "some.pt")
+
+
+def test_checkpoint_of_another_model_lists_mismatched_keys(tmp_path, good_run):
+    state = checkpoint.load(good_run)
+    state["config"]["model"]["hidden_sizes"] = [32]  # what a changed model definition looks like
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    checkpoint.save_atomic(state, other_dir / "last.pt")
+    result = train_command(["trainer.eval_only=true", f"trainer.resume={other_dir}"], tmp_path)
+    assert_one_line_error(result, f"{other_dir / 'last.pt'} holds another model than its config builds",
+                          "mismatched keys: ", "(256, 64) != (32, 64)")
+    assert_loads(good_run / "last.pt", epoch=2)
+
+
+def test_missing_checkpoint_path_fails_before_any_folder_exists(tmp_path):
+    result = train_command([f"trainer.resume={tmp_path / 'no_such_run'}"], tmp_path)
+    assert_one_line_error(result, f"trainer.resume={tmp_path / 'no_such_run'}: no such file or folder")
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "no_such_run").exists()
+
+
+def test_eval_only_needs_a_checkpoint():
+    with pytest.raises(train.ConfigError, match=r"trainer.eval_only=true needs trainer.resume="):
+        train.validate(train.load_config(["trainer.eval_only=true"]))
+
+
+@pytest.mark.parametrize("files, message", [
+    ({}, "dataset files missing in"),
+    ({"data_batch_1": b"\x80\x04 not a pickle"}, "dataset cifar10 in {root} is corrupt (UnpicklingError"),
+])
+def test_missing_or_corrupt_dataset_files(tmp_path, files, message):
+    root = tmp_path / "datasets"
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    if files:  # every file present, one of them damaged
+        for name in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]:
+            (folder / name).write_bytes(files.get(name, b""))
+    result = train_command(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert_one_line_error(result, message.format(root=root))
+    assert "Traceback" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_unwritable_data_root_is_named_before_any_download(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where data.root wants a folder")  # unwritable even for root, unlike chmod
+    result = train_command(["data=mnist", "data.download=true", f"data.root={blocker / 'datasets'}"], tmp_path)
+    assert_one_line_error(result, f"data.root={blocker / 'datasets'} cannot be written (", "set data.root to a writable folder")
