@@ -1,0 +1,76 @@
+"""sweep_summary: run summaries, and the sweep summary built from a sweep folder's jobs."""
+import csv
+
+import pytest
+from omegaconf import OmegaConf
+
+import sweep_summary
+import train
+
+
+def epoch(val_acc, epoch_s, samples_per_s):
+    return {"train/loss": 0.5, "train/acc": 0.8, "val/loss": 0.4, "val/acc": val_acc, "time/epoch_s": epoch_s,
+            "throughput/train_samples_per_s": samples_per_s, "lr": 0.001}
+
+
+def make_job(sweep_dir, num, overrides, linear, history, finished=True):
+    """A job folder as a Hydra multirun leaves it: .hydra/ files and, if it finished, summary.json."""
+    job_dir = sweep_dir / f"{num}_job"
+    (job_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
+    OmegaConf.save(OmegaConf.create({"linear": {"name": linear}}), job_dir / ".hydra" / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": num}}}), job_dir / ".hydra" / "hydra.yaml")
+    if finished:
+        sweep_summary.write_run_summary(job_dir, history, num_params=1000 + num)
+
+
+def test_run_summary_holds_final_best_and_means(tmp_path):
+    summary = sweep_summary.write_run_summary(tmp_path, [epoch(0.9, 2.0, 100.0), epoch(0.8, 4.0, 50.0)], 1234)
+    assert sweep_summary.read_run_summary(tmp_path) == summary
+    assert summary["val/acc"] == 0.8 and summary["val/acc_best"] == 0.9 and summary["epochs"] == 2
+    assert summary["time/epoch_s_mean"] == 3.0 and summary["throughput/train_samples_per_s_mean"] == 75.0
+    assert summary["num_params"] == 1234 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    assert set(sweep_summary.OBJECTIVES) <= set(summary)
+
+
+def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
+    # jobs 0/1 and 2/3 differ only in linear; job 4 has no partner; job 5 failed (no summary.json)
+    make_job(tmp_path, 0, ["linear=torch", "model.hidden_sizes=[64]"], "torch", [epoch(0.90, 2.0, 10.0)])
+    make_job(tmp_path, 1, ["linear=custom", "model.hidden_sizes=[64]"], "custom", [epoch(0.92, 1.0, 20.0)])
+    make_job(tmp_path, 2, ["linear=torch", "model.hidden_sizes=[128]"], "torch", [epoch(0.95, 3.0, 10.0)])
+    make_job(tmp_path, 3, ["linear=custom", "model.hidden_sizes=[128]"], "custom", [epoch(0.94, 4.0, 20.0)])
+    make_job(tmp_path, 4, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
+    make_job(tmp_path, 5, ["optim.lr=9"], "custom", [], finished=False)
+
+    markdown = sweep_summary.summarize_sweep(tmp_path)
+
+    with open(tmp_path / "summary.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["job"] for row in rows] == ["0_job", "1_job", "2_job", "3_job", "4_job"]
+    assert rows[1]["overrides"] == "linear=custom model.hidden_sizes=[64]" and rows[1]["num_params"] == "1001"
+    assert float(rows[1]["speedup_vs_torch"]) == pytest.approx(2.0)
+    assert float(rows[1]["val_acc_diff_points_vs_torch"]) == pytest.approx(2.0)
+    assert float(rows[3]["speedup_vs_torch"]) == pytest.approx(0.75)
+    assert float(rows[3]["val_acc_diff_points_vs_torch"]) == pytest.approx(-1.0)
+    assert rows[0]["speedup_vs_torch"] == rows[4]["speedup_vs_torch"] == ""
+    assert (tmp_path / "summary.md").read_text() == markdown
+    assert "| `model.hidden_sizes=[64]` | 2.00x | +2.00 points |" in markdown
+    assert "| `model.hidden_sizes=[128]` | 0.75x | -1.00 points |" in markdown
+    assert markdown.count("_job |") == 5
+
+
+def test_sweep_without_linear_pairs_has_no_comparison(tmp_path):
+    make_job(tmp_path, 0, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
+    make_job(tmp_path, 1, ["optim.lr=0.2"], "custom", [epoch(0.6, 1.0, 20.0)])
+    assert "speedup" not in sweep_summary.summarize_sweep(tmp_path)
+
+
+def test_callback_is_registered_for_every_multirun():
+    with train.initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
+        cfg = train.compose("train", return_hydra_config=True)
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "sweep_summary.SweepSummary"
+
+
+def test_objective_must_be_a_summary_value():
+    with pytest.raises(train.ConfigError, match="trainer.objective=val/accuracy is invalid"):
+        train.validate(train.load_config(["trainer.objective=val/accuracy"]))
