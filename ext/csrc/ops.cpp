@@ -4,8 +4,10 @@
 #include "cpu/gemm.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <string>
@@ -96,6 +98,22 @@ void set_cpu_path(const std::string& name) {
   cpu::set_cpu_path(*path);
 }
 
+// Under CPU autocast (bfloat16) the ops run in float32, as autocast runs PyTorch's own fp32-only ops:
+// the CPU kernels implement float32 and float64, and a ResNet's autocast convolutions hand the final
+// Linear a bfloat16 input. Lower-precision inputs are cast up; then the op runs with autocast off.
+template <bool kRelu>
+at::Tensor linear_autocast_cpu(const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow(kRelu ? "ext::linear_relu" : "ext::linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  return op.call(at::autocast::cached_cast(at::kFloat, input, c10::DeviceType::CPU),
+                 at::autocast::cached_cast(at::kFloat, weight, c10::DeviceType::CPU),
+                 at::autocast::cached_cast(at::kFloat, bias, c10::DeviceType::CPU));
+}
+
 #ifndef LINEAR_LAB_WITH_CUDA
 // A CPU-only build still answers CUDA tensors, with how to get CUDA kernels
 // instead of the dispatcher's generic "could not run with the CUDA backend".
@@ -126,6 +144,11 @@ TORCH_LIBRARY_IMPL(ext, CPU, m) {
   m.impl("linear_backward_input", &linear_backward_input_cpu);
   m.impl("linear_backward_weight", &linear_backward_weight_cpu);
   m.impl("linear_backward_bias", &linear_backward_bias_cpu);
+}
+
+TORCH_LIBRARY_IMPL(ext, AutocastCPU, m) {
+  m.impl("linear", &linear_autocast_cpu<false>);
+  m.impl("linear_relu", &linear_autocast_cpu<true>);
 }
 
 #ifndef LINEAR_LAB_WITH_CUDA
