@@ -33,7 +33,8 @@ def save_atomic(state, path):
     """torch.save into a temporary file in the same folder, fsync, then rename over `path`.
 
     A crash at any moment leaves either the previous file or the new one, never a torn one. A full disk
-    raises CheckpointError (the previous file is untouched); the temporary file never outlives the call.
+    raises CheckpointError (the previous file is untouched). A failed or interrupted save removes the
+    temporary file; one left by a SIGKILL is overwritten by the next save.
 
     Example:
         >>> save_atomic({"epoch": 3, ...}, Path("outputs/runs/.../last.pt"))
@@ -49,11 +50,9 @@ def save_atomic(state, path):
     except BaseException as error:  # also Ctrl-C: never leave a half-written file behind
         temporary.unlink(missing_ok=True)
         if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
-            kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
-            raise CheckpointError(
-                f"disk full while writing {path}; {kept}; free some space, then resume with: "
-                f"{resume_command(path.parent)}"
-            ) from error
+            then = f"resume with: {resume_command(path.parent)}" if path.exists() else "start the run again"
+            kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written yet"
+            raise CheckpointError(f"disk full while writing {path}; {kept}; free some space, then {then}") from error
         raise
     folder = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
