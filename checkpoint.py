@@ -183,8 +183,8 @@ def load_model_state(model, model_state, path):
 
 # What may differ from the checkpoint's config when a run continues: where it runs and which linear layer
 # computes it (their weights are interchangeable), not what it computes.
-RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "linear", "data.root",
-                    "data.download", "data.num_workers")
+RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "trainer.threads", "linear",
+                    "data.root", "data.download", "data.num_workers")
 
 
 def resumed_config(saved, cfg, overridden_keys):
