@@ -344,8 +344,7 @@ def make_deterministic(seed):
     """trainer.deterministic: the same run gives the same bits. Deterministic kernels only (an op without
     one raises), and every generator seeded: Python's, NumPy's and torch's (CPU and CUDA)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)  # cuDNN included (torch.backends.cudnn.benchmark stays off)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -641,7 +640,9 @@ def fit(cfg, run_dir):
         history = []  # each epoch's metrics, for summary.json
         global_step, best_val_acc = 0, -1.0
         if resumed:
-            checkpoint.restore(resumed, resume_path, model, optimizer, scheduler, train_loader.generator)
+            checkpoint.restore(
+                resumed, resume_path, model, optimizer, scheduler, settings.scaler, train_loader.generator
+            )
             global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
             epoch_times_s, history = resumed["epoch_times_s"], resumed["history"]
             log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
@@ -689,7 +690,7 @@ def fit(cfg, run_dir):
             is_best = val_acc > best_val_acc
             best_val_acc = max(best_val_acc, val_acc)
             state = checkpoint.training_state(
-                epoch, global_step, model, optimizer, scheduler, train_loader.generator, cfg,
+                epoch, global_step, model, optimizer, scheduler, settings.scaler, train_loader.generator, cfg,
                 best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history,
             )
             if is_main:

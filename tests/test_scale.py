@@ -1,0 +1,166 @@
+"""Scaling out: torchrun + DDP, parallel (joblib) and cluster (submitit) sweeps, Optuna search, and the
+AMP / compile / channels_last / deterministic switches."""
+import csv
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import ext
+import models
+import sweep_summary
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+# SGD with momentum, no dropout (the default MLP): a run whose weights two processes must reproduce exactly
+DDP_OVERRIDES = ["optim=sgd", "trainer.epochs=2"]
+
+
+def run(command, cwd, env=None):
+    result = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def final_weights(run_dir):
+    return torch.load(Path(run_dir) / "last.pt", weights_only=True)["model"]
+
+
+def test_torchrun_two_processes_reach_the_single_process_weights_and_write_one_run(tmp_path):
+    result = run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "train.py"), *DDP_OVERRIDES],
+        cwd=tmp_path,
+    )
+    (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["outputs"]  # rank 1 wrote no folder of its own
+    assert {"train.log", "last.pt", "summary.json", ".hydra"} <= {path.name for path in run_dir.iterdir()}
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    log = (run_dir / "train.log").read_text()
+    assert len(re.findall(r"^.*epoch \d/2: train loss", log, re.MULTILINE)) == 2
+    assert len(re.findall(r"^epoch 1/2: train loss", result.stdout, re.MULTILINE)) == 1  # printed by rank 0 only
+    assert "cpu, 1 threads" in log or os.cpu_count() > 3  # the two ranks share the cores
+
+    single_dir = tmp_path / "single"
+    train.fit(train.load_config(DDP_OVERRIDES), single_dir)
+    distributed, single = final_weights(run_dir), final_weights(single_dir)
+    assert distributed.keys() == single.keys()
+    for key in single:
+        torch.testing.assert_close(distributed[key], single[key], rtol=1e-5, atol=1e-6, msg=key)
+    # the logged metrics are of the whole dataset, not of one rank's half
+    ddp_summary, single_summary = sweep_summary.read_run_summary(run_dir), sweep_summary.read_run_summary(single_dir)
+    for tag in ("train/loss", "train/acc", "val/loss", "val/acc"):
+        assert ddp_summary[tag] == pytest.approx(single_summary[tag], abs=1e-5), tag
+
+
+def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_path):
+    # a fresh extension cache: the parent builds once, before the jobs start; the jobs only load it
+    result = run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+         "linear=torch,custom", "trainer.epochs=1"],
+        cwd=tmp_path, env={"LINEAR_LAB_BUILD_DIR": str(tmp_path / "cache")},
+    )
+    assert result.stderr.count("building the extension") == 1 and "waiting for process" not in result.stderr
+    assert "Joblib.Parallel(n_jobs=2" in result.stdout
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    with open(sweep_dir / "summary.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["linear"] for row in rows] == ["torch", "custom"]
+    assert float(rows[1]["speedup_vs_torch"]) > 0 and rows[0]["speedup_vs_torch"] == ""
+    markdown = (sweep_dir / "summary.md").read_text()
+    assert re.search(r"\| `trainer.epochs=1` \| [\d.]+x \| [+-][\d.]+ points \|", markdown)
+    assert markdown.strip() in result.stdout  # printed at the end of the sweep
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    for job_dir in sweep_dir.glob("*_mlp-*"):
+        assert f"cpu, {threads} threads" in (job_dir / "train.log").read_text()
+
+
+def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
+    result = run(
+        [sys.executable, str(REPO / "train.py"), "-m", "search=mlp_lr", "hydra.sweeper.n_trials=3", "trainer.epochs=1"],
+        cwd=tmp_path,
+    )
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    with open(sweep_dir / "summary.csv") as file:
+        accuracies = [float(row["val_acc"]) for row in csv.DictReader(file)]
+    assert len(accuracies) == 3 and best.best_value == pytest.approx(max(accuracies))
+    assert set(best.best_params) == {"optim.lr", "optim.weight_decay", "model.dropout", "model.hidden_sizes"}
+    assert re.search(r"Best value: 0\.\d+", result.stdout + result.stderr)
+
+
+@pytest.fixture(scope="module")
+def plain_val_acc(tmp_path_factory):
+    return train.fit(train.load_config(["model=mlp", "linear=custom", "trainer.epochs=1"]), tmp_path_factory.mktemp("plain"))
+
+
+@pytest.mark.parametrize("switch", ["trainer.amp=true", "trainer.compile=true"])
+def test_amp_and_compile_train_the_custom_mlp_as_well_as_the_plain_run(tmp_path, plain_val_acc, switch):
+    val_acc = train.fit(train.load_config(["model=mlp", "linear=custom", "trainer.epochs=1", switch]), tmp_path)
+    assert abs(val_acc - plain_val_acc) <= 0.02
+
+
+def test_compiled_custom_mlp_has_no_graph_breaks():
+    model = ext.replace_linears(models.build_model("mlp", 10, 1, image_size=(8, 8)))
+    explanation = torch._dynamo.explain(model)(torch.randn(4, 1, 8, 8))
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+def test_cpu_autocast_runs_our_op_in_float32_after_bfloat16_convolutions():
+    model = ext.replace_linears(models.build_model("resnet18", 10, 3, small_input=True))
+    model.to(memory_format=torch.channels_last)
+    images = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(images)
+    assert logits.dtype == torch.float32  # the final Linear got a bfloat16 input and ran in float32
+    logits.sum().backward()
+    assert model.fc.weight.grad.dtype == torch.float32
+    assert all(parameter.grad is not None for parameter in model.stem.parameters())
+
+
+def test_resnet_trains_with_channels_last_and_amp(tmp_path):
+    overrides = ["model=resnet18", "data=fake", "data.train_size=32", "data.val_size=16", "data.image_size=[3,8,8]",
+                 "data.batch_size=16", "trainer.epochs=1", "trainer.channels_last=true", "trainer.amp=true"]
+    val_acc = train.fit(train.load_config(overrides), tmp_path)
+    assert 0 <= val_acc <= 1 and (tmp_path / "last.pt").is_file()
+
+
+def seeded_draws(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    return random.random(), np.random.random()
+
+
+def test_deterministic_runs_seed_every_generator_and_give_identical_weights(tmp_path):
+    overrides = ["trainer.epochs=1", "trainer.deterministic=true", "model.dropout=0.2", "seed=3"]
+    try:
+        for name in ("first", "second"):
+            seeded_draws(99)  # whatever state the generators were left in
+            train.fit(train.load_config(overrides), tmp_path / name)
+            assert (random.random(), np.random.random()) == seeded_draws(3)  # training draws from neither
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    first, second = final_weights(tmp_path / "first"), final_weights(tmp_path / "second")
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_slurm_launcher_config_composes_with_its_cluster_settings():
+    with initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher.partition == "gpu" and launcher.timeout_min == 240
+    assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.nodes == 1
