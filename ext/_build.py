@@ -40,7 +40,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY_NAME = "linear_lab_ext"
 MANIFEST_NAME = "manifest.json"
 TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's own lock file inside the build dir
-CXX_FLAGS = ("-O3", "-std=c++20")
+CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp")  # OpenMP: at::parallel_for runs serially without it
 CUDA_FLAGS = ("-O3", "-std=c++20")
 CUDA_DEFINE = "-DLINEAR_LAB_WITH_CUDA"  # ops.cpp registers "rebuild with CUDA" errors without it
 DEFAULT_CUDA_ARCHS = "8.0;9.0"  # A100 and H100: what a forced build without a GPU targets
@@ -193,6 +193,7 @@ def _build(config: BuildConfig, directory: Path) -> dict:
                 sources=list(config.sources),
                 extra_cflags=list(config.cxx_flags),
                 extra_cuda_cflags=list(config.cuda_flags),
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 with_cuda=config.with_cuda,
                 is_python_module=False,

@@ -17,16 +17,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdlib>
-#include <deque>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <stdexcept>
-#include <thread>
 
 namespace ext::cpu {
 
@@ -60,11 +52,6 @@ constexpr int64_t kNC = 4096;
 // microseconds), so small products stay on the calling thread, as do calls made
 // from inside another parallel region (no nested oversubscription).
 constexpr double kParallelMinFlops = 4e6;
-
-// Slabs per thread when running in parallel and no operand is re-packed per
-// slab: more, smaller slabs balance the load when a core is shared with another
-// process (this machine is).
-constexpr int64_t kSlabsPerThread = 4;
 
 CpuPath g_active_path = best_cpu_path();
 
@@ -165,84 +152,15 @@ void gemm_slab(const Microkernel<T>& uk, int64_t m0, int64_t m1, int64_t n0, int
   }
 }
 
-// Runs task(slab) for every slab in [0, slabs), on the calling thread and up to
-// `helpers` pool threads. All take slabs from one counter; the caller then waits
-// only for slabs already taken, never for a helper that has not started (on a
-// shared machine a helper's core may be busy for milliseconds: an OpenMP region
-// would wait for it, here the caller just does more slabs). A helper that starts
-// late finds no slab left and never touches `task`, which may be gone by then.
-class SlabPool {
- public:
-  using Task = std::function<void(int64_t)>;
-
-  static void run(int64_t slabs, int64_t helpers, const Task& task) {
-    auto job = std::make_shared<Job>(slabs, &task);
-    if (helpers > 0) instance().post(job, helpers);
-    work_on(*job);
-    while (job->done.load() < slabs) std::this_thread::yield();
-    if (job->error) std::rethrow_exception(job->error);
-  }
-
- private:
-  struct Job {
-    Job(int64_t slab_count, const Task* work) : slabs(slab_count), task(work) {}
-    const int64_t slabs;
-    const Task* task;
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex error_mutex;
-    std::exception_ptr error;
-  };
-
-  static void work_on(Job& job) {
-    for (int64_t slab = job.next++; slab < job.slabs; slab = job.next++) {
-      try {
-        (*job.task)(slab);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(job.error_mutex);
-        if (!job.error) job.error = std::current_exception();
-      }
-      job.done++;
-    }
-  }
-
-  static SlabPool& instance() {
-    static SlabPool* pool = new SlabPool;  // never destroyed: its threads run until exit
-    return *pool;
-  }
-
-  void post(const std::shared_ptr<Job>& job, int64_t helpers) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    while (threads_ < helpers) {
-      std::thread([this] { serve(); }).detach();
-      ++threads_;
-    }
-    for (int64_t i = 0; i < helpers; ++i) queue_.push_back(job);
-    wake_.notify_all();
-  }
-
-  void serve() {
-    for (;;) {
-      std::shared_ptr<Job> job;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [this] { return !queue_.empty(); });
-        job = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      work_on(*job);
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<std::shared_ptr<Job>> queue_;
-  int64_t threads_ = 0;
-};
-
+// Runs task(slab) for every slab in [0, slabs) on torch's intra-op threads:
+// at::parallel_for is OpenMP here (the build passes -fopenmp), the same pool and
+// thread count (torch.set_num_threads) as torch's own kernels.
 template <typename Task>
-void run_slabs(int64_t slabs, int64_t helpers, const Task& task) {
+void run_slabs(int64_t slabs, const Task& task) {
   if (slabs == 1) return task(0);
-  SlabPool::run(slabs, helpers, SlabPool::Task(std::cref(task)));
+  at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
+    for (int64_t slab = first; slab < last; ++slab) task(slab);
+  });
 }
 
 // C = bias (or 0), then relu: what the product is when K == 0.
@@ -312,10 +230,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // where that part is smaller (A is M x K, B is K x N) while every slab has a panel.
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads);
   const int64_t panels = split_columns ? n_panels : m_panels;
-  // Finer slabs are free when nothing is re-packed per slab: column slabs with A read in place.
-  const int64_t slabs_per_thread = split_columns && a_cs == 1 ? kSlabsPerThread : 1;
-  const int64_t slabs = std::min(threads == 1 ? 1 : threads * slabs_per_thread, panels);
-  run_slabs(slabs, std::min(threads, slabs) - 1, [&](int64_t slab) {
+  const int64_t slabs = std::min(threads, panels);
+  run_slabs(slabs, [&](int64_t slab) {
     const int64_t p0 = panels * slab / slabs, p1 = panels * (slab + 1) / slabs;
     if (split_columns) {
       gemm_slab(uk, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
