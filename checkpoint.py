@@ -61,11 +61,11 @@ def save_atomic(state, path):
         os.close(folder)
 
 
-def training_state(epoch, global_step, model, optimizer, scheduler, loader_generator, config, **extra):
+def training_state(epoch, global_step, model, optimizer, scheduler, scaler, loader_generator, config, **extra):
     """Everything a run needs to continue exactly after `epoch`; `extra` holds the run's own history.
 
     Example:
-        >>> state = training_state(3, 69, model, optimizer, scheduler, train_loader.generator, cfg, best_val_acc=0.9)
+        >>> state = training_state(3, 69, model, optimizer, scheduler, scaler, loader.generator, cfg, best_val_acc=0.9)
     """
     return {
         "epoch": epoch,
@@ -73,18 +73,20 @@ def training_state(epoch, global_step, model, optimizer, scheduler, loader_gener
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "scaler": None,  # the AMP GradScaler's state_dict once the trainer has one
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,  # AMP's loss scale (float16 only)
         "rng": rng_state(loader_generator),
         "config": OmegaConf.to_container(config, resolve=True),
         **extra,
     }
 
 
-def restore(state, path, model, optimizer, scheduler, loader_generator):
+def restore(state, path, model, optimizer, scheduler, scaler, loader_generator):
     """Load a checkpoint `state` (read from `path`) into freshly built training objects."""
     load_model_state(model, state["model"], path)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"] is not None and scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
     restore_rng(state["rng"], loader_generator)
 
 

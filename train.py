@@ -718,9 +718,9 @@ def evaluate_checkpoint(cfg, run_dir):
         >>> evaluate_checkpoint(load_config(["trainer.eval_only=true", "trainer.resume=outputs/runs/..."]), "outputs/runs/...")
     """
     path = checkpoint.find(cfg.trainer.resume)
-    with logging_to(Path(run_dir) / "train.log"):
+    device = join_process_group(pick_device(cfg.trainer.device))  # under torchrun each rank evaluates a part
+    with logging_to(Path(run_dir) / "train.log") if world()[0] == 0 else nullcontext():
         state = checkpoint.load(path)
-        device = pick_device(cfg.trainer.device)
         dataset = read_dataset(cfg.data)
         model = make_model(cfg, dataset, device)
         checkpoint.load_model_state(model, state["model"], path)

@@ -256,3 +256,20 @@ def test_rng_state_restores_the_data_order_of_either_loader(loader):
             checkpoint.restore_rng(state, train_loader.generator)
         orders.append([labels for _, labels in train_loader])  # epoch 2
     assert all(torch.equal(a, b) for a, b in zip(*orders))
+
+
+def test_amp_loss_scale_survives_a_checkpoint():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # the scale starts at the first step
+    scaler.update(new_scale=256.0)  # what a few overflowing float16 steps leave behind
+    loader_generator = torch.Generator().manual_seed(0)
+    state = checkpoint.training_state(1, 10, model, optimizer, scheduler, scaler, loader_generator, train.load_config())
+    fresh = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    checkpoint.restore(state, "last.pt", model, optimizer, scheduler, fresh, loader_generator)
+    assert fresh.get_scale() == 256.0
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    assert checkpoint.training_state(1, 10, model, optimizer, scheduler, disabled, loader_generator,
+                                     train.load_config())["scaler"] is None
