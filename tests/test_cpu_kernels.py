@@ -26,6 +26,7 @@ TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow)
 KC = {torch.float32: 512, torch.float64: 256}
 MC = 240
 NC = 4096
+B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
 
 # torch's own CPU feature detection decides which of our paths this machine must run.
@@ -87,10 +88,12 @@ def assert_close(actual, expected, dtype, depth):
 
 
 def boundary_shapes(path, dtype):
-    """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC."""
+    """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC,
+    and on each side of the row count where a row-major B stops being read in place."""
     (mr, nr), (narrow_mr, narrow_nr) = TILES[path, dtype]
     kc = KC[dtype]
     shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, MC - 1, MC, MC + 1)]
+    shapes += [(m, nr + 1, kc + 1) for m in (B_IN_PLACE_MAX_ROWS, B_IN_PLACE_MAX_ROWS + 1)]
     shapes += [(narrow_mr + 1, narrow_nr, kc + 1)]  # narrow tile, full
     shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]

@@ -9,15 +9,18 @@ namespace ext::cpu {
 
 // One register tile: C[rows x cols] = (accumulate ? C : bias row or 0) + A·B over
 // a depth of kc, then max(., 0) if relu. A[i, k] = a[i * a_row_stride + k *
-// a_k_stride] (a packed panel, or the caller's matrix read in place); b is a
-// packed panel of kc rows of NR values. rows <= MR and cols <= NR; rows beyond
-// `rows` of A must be readable (packed panels are zero-padded).
+// a_k_stride] (a packed panel, or the caller's matrix read in place); B's row k
+// is NR values at b + k * b_k_stride (a packed panel, b_k_stride = NR, or the
+// caller's row-major matrix read in place). rows <= MR and cols <= NR; rows
+// beyond `rows` of A and columns beyond `cols` of B must be readable (packed
+// panels are zero-padded).
 template <typename T>
 struct TileArgs {
   int64_t kc;
   const T* a;
   int64_t a_row_stride, a_k_stride;
   const T* b;
+  int64_t b_k_stride;
   T* c;
   int64_t ldc;
   int64_t rows, cols;

@@ -73,7 +73,7 @@ void tile(const TileArgs<typename Simd::T>& t) {
       for (int v = 0; v < NV; ++v) acc[i][v] = Simd::fma(a_value, b_row[v], acc[i][v]);
     }
     a += a_k_stride;
-    b += NR;
+    b += t.b_k_stride;
   }
 
   if (t.relu)
