@@ -14,7 +14,7 @@ ops = torch.ops.ext
 
 # The kernels' block sizes, written down once here. Source of truth: the
 # microkernel_<path>.cpp files (wide and narrow MR x NR register tiles; the
-# narrow one runs when N <= its NR) and gemm.cpp (kKC, kMC, kNC).
+# narrow one runs when N <= its NR) and gemm.cpp (kKC, kMCAvx512/kMCAvx2/kMCPortable, kNC).
 TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow)
     ("avx512", torch.float32): ((8, 32), (8, 16)),
     ("avx512", torch.float64): ((8, 16), (8, 8)),
@@ -24,7 +24,7 @@ TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow)
     ("portable", torch.float64): ((4, 4), (4, 2)),
 }
 KC = {torch.float32: 512, torch.float64: 256}
-MC = 240
+MC = {"avx512": 240, "avx2+fma": 120, "portable": 120}  # rows of a packed A block, per path
 NC = 4096
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
@@ -91,13 +91,13 @@ def boundary_shapes(path, dtype):
     """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC,
     and on each side of the row count where a row-major B stops being read in place."""
     (mr, nr), (narrow_mr, narrow_nr) = TILES[path, dtype]
-    kc = KC[dtype]
-    shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, MC - 1, MC, MC + 1)]
+    kc, mc = KC[dtype], MC[path]
+    shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, mc - 1, mc, mc + 1)]
     shapes += [(m, nr + 1, kc + 1) for m in (B_IN_PLACE_MAX_ROWS, B_IN_PLACE_MAX_ROWS + 1)]
     shapes += [(narrow_mr + 1, narrow_nr, kc + 1)]  # narrow tile, full
     shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
-    shapes.append((MC + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
+    shapes.append((mc + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
     return shapes
 
 

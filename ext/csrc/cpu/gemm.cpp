@@ -39,10 +39,28 @@ template <typename T>
 constexpr int64_t kKC = 2048 / sizeof(T);
 static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
 
-// MC: rows of one packed A block (MC x KC): 240 x 2 KiB = 480 KiB, a quarter of
-// L2, leaving room for the B micro-panels streaming through. A multiple of every MR.
-constexpr int64_t kMC = 240;
-static_assert(kMC * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kL2Bytes / 4);
+// MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path, each a
+// multiple of its MR (8 on AVX-512, 6 on AVX2, 4 portable).
+// AVX-512 (this Xeon, 2 MiB L2): 240 rows = 480 KiB, a quarter of L2, leaving
+// room for the B micro-panels streaming through.
+constexpr int64_t kMCAvx512 = 240;
+static_assert(kMCAvx512 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kL2Bytes / 4);
+// AVX2 (the path Zen3 takes, 512 KiB L2): 120 rows = 240 KiB, under half of that
+// L2, so the A block and the B micro-panels (KC x 16 floats = 32 KiB) share it.
+constexpr int64_t kZen3L2Bytes = 512 * 1024;
+constexpr int64_t kMCAvx2 = 120;
+static_assert(kMCAvx2 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kZen3L2Bytes / 2);
+// Portable (unknown caches): the AVX2 size, the smaller, safer one.
+constexpr int64_t kMCPortable = kMCAvx2;
+
+int64_t block_rows(CpuPath path) {
+  switch (path) {
+    case CpuPath::Avx512: return kMCAvx512;
+    case CpuPath::Avx2Fma: return kMCAvx2;
+    case CpuPath::Portable: break;
+  }
+  return kMCPortable;
+}
 
 // NC: columns of one packed B block (KC x NC = 8 MiB per thread), in L3; a
 // multiple of every NR. Wider than every layer here, so B is packed once per K block.
@@ -105,7 +123,7 @@ inline void prefetch_tile(const void* c, int64_t rows, int64_t row_bytes, int64_
 
 // The five loops on one slab of C: rows [m0, m1), columns [n0, n1).
 template <typename T>
-void gemm_slab(const Microkernel<T>& uk, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
+void gemm_slab(const Microkernel<T>& uk, int64_t MC, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
                const T* bias, bool relu, T* C, int64_t ldc) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = kKC<T>;
@@ -117,7 +135,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t m0, int64_t m1, int64_t n0, int
   const bool read_a_in_place = a_cs == 1;
   const bool read_b_in_place = b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace;
   T* packed_b = t_packed_b.get<T>((read_b_in_place ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
-  T* packed_a = t_packed_a.get<T>((read_a_in_place ? MR : kMC) * KC);
+  T* packed_a = t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
   TileArgs<T> tile{};
   tile.ldc = ldc;
   for (int64_t jc = n0; jc < n1; jc += kNC) {
@@ -129,8 +147,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t m0, int64_t m1, int64_t n0, int
       tile.kc = kc;
       tile.accumulate = pc > 0;
       tile.relu = relu && pc + kc == K;
-      for (int64_t ic = m0; ic < m1; ic += kMC) {
-        const int64_t mc = std::min(kMC, m1 - ic);
+      for (int64_t ic = m0; ic < m1; ic += MC) {
+        const int64_t mc = std::min(MC, m1 - ic);
         const T* a_block = A + ic * a_rs + pc * a_cs;
         if (!read_a_in_place) uk.pack_a(a_block, a_rs, a_cs, mc, kc, packed_a);
         for (int64_t jr = 0; jr < nc; jr += NR) {
@@ -244,6 +262,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   if (K == 0) return fill_bias(M, N, bias, relu, C, ldc);
   const Microkernels<T> kernels = microkernels<T>(g_active_path);
   const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow : kernels.wide;
+  const int64_t MC = block_rows(g_active_path);
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
   const bool small = 2.0 * M * N * K < kParallelMinFlops;
   const int64_t threads = small || at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -255,10 +274,10 @@ void gemm(int64_t M, int64_t N, int64_t K,
   run_slabs(slabs, [&](int64_t slab) {
     const int64_t p0 = panels * slab / slabs, p1 = panels * (slab + 1) / slabs;
     if (split_columns) {
-      gemm_slab(uk, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
+      gemm_slab(uk, MC, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
                 bias, relu, C, ldc);
     } else {
-      gemm_slab(uk, p0 * uk.mr, std::min(M, p1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
+      gemm_slab(uk, MC, p0 * uk.mr, std::min(M, p1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
                 bias, relu, C, ldc);
     }
   });
