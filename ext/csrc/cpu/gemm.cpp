@@ -26,7 +26,8 @@ namespace {
 
 // Block sizes for this host: a Xeon (KVM) with, per core, 48 KiB L1d and 2 MiB
 // L2, and a large shared L3. (Zen3, which the project first assumed, has 32 KiB
-// and 512 KiB: the A micro-panel below still fits its L1, the A block its L2.)
+// and 512 KiB: the A micro-panel below still fits its L1, and the AVX2 path,
+// the one Zen3 takes, gets an MC sized for its L2.)
 constexpr int64_t kL1dBytes = 48 * 1024;
 constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
 
