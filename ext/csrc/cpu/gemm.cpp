@@ -134,7 +134,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t MC, int64_t m0, int64_t m1, int
   // contiguous layout pays for itself. Only ragged last panels, whose padding
   // must be readable, are packed.
   const bool read_a_in_place = a_cs == 1;
-  const bool read_b_in_place = b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace;
+  // Read in place, B's block is re-read from its scattered rows by every row
+  // tile, so it must stay in L2: half of L2 at most, and no row stride of a
+  // whole 4 KiB page, which maps every row to the same few cache sets (dX of
+  // 128x2048->1000 read W in place ran 2x slower).
+  const bool b_block_stays_in_l2 = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T)) <= kL2Bytes / 2 &&
+                                   b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
+  const bool read_b_in_place = b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
   T* packed_b = t_packed_b.get<T>((read_b_in_place ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   T* packed_a = t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
   TileArgs<T> tile{};
