@@ -46,8 +46,15 @@ inline void transpose_block(const float* src, int64_t src_stride, float* dst, in
 inline void transpose_block(const double* src, int64_t src_stride, double* dst, int64_t dst_stride) {
   transpose4x4(src, src_stride, dst, dst_stride);
 }
+// The transpose part of an AVX Simd description (see microkernel_impl.h): one
+// 32-byte block square, 8x8 floats or 4x4 doubles. AVX2 and AVX-512 share it.
 template <typename T>
-constexpr int kTransposeBlock = 32 / sizeof(T);
+struct AvxTranspose {
+  static constexpr int kTransposeBlock = 32 / sizeof(T);
+  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
+    transpose_block(src, src_stride, dst, dst_stride);
+  }
+};
 
 }  // namespace
 }  // namespace ext::cpu

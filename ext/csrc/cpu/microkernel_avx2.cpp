@@ -18,28 +18,20 @@
 namespace ext::cpu {
 namespace {
 
-struct Avx2Float {
+struct Avx2Float : AvxTranspose<float> {
   using T = float;
   using V = __m256;
   static constexpr int kLanes = 8;
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V broadcast(T x) { return _mm256_set1_ps(x); }
-  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
-  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
-    transpose_block(src, src_stride, dst, dst_stride);
-  }
 };
 
-struct Avx2Double {
+struct Avx2Double : AvxTranspose<double> {
   using T = double;
   using V = __m256d;
   static constexpr int kLanes = 4;
   static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
   static V broadcast(T x) { return _mm256_set1_pd(x); }
-  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
-  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
-    transpose_block(src, src_stride, dst, dst_stride);
-  }
 };
 
 }  // namespace

@@ -21,28 +21,20 @@
 namespace ext::cpu {
 namespace {
 
-struct Avx512Float {
+struct Avx512Float : AvxTranspose<float> {
   using T = float;
   using V = __m512;
   static constexpr int kLanes = 16;
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V broadcast(T x) { return _mm512_set1_ps(x); }
-  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
-  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
-    transpose_block(src, src_stride, dst, dst_stride);
-  }
 };
 
-struct Avx512Double {
+struct Avx512Double : AvxTranspose<double> {
   using T = double;
   using V = __m512d;
   static constexpr int kLanes = 8;
   static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
   static V broadcast(T x) { return _mm512_set1_pd(x); }
-  static constexpr int kTransposeBlock = ext::cpu::kTransposeBlock<T>;
-  static void transpose(const T* src, int64_t src_stride, T* dst, int64_t dst_stride) {
-    transpose_block(src, src_stride, dst, dst_stride);
-  }
 };
 
 }  // namespace
