@@ -1,7 +1,8 @@
-"""The Python side of the ext ops: fake kernels (for torch.compile), autograd, and
-`linear`, which gives torch.ops.ext.linear the full F.linear contract.
+"""The Python side of the ext ops: fake kernels (for torch.compile) and `linear`,
+which gives torch.ops.ext.linear the full F.linear contract.
 
-The ops themselves (schemas and kernels) live in ext/csrc; they take 2-D operands only.
+The ops themselves (schemas, kernels and autograd) live in ext/csrc; they take 2-D
+operands only. Autograd is C++ (ext/csrc/autograd.cpp) so that no step enters Python.
 """
 from __future__ import annotations
 
@@ -40,46 +41,6 @@ def _linear_backward_weight_fake(grad_output, input):
 @torch.library.register_fake("ext::linear_backward_bias")
 def _linear_backward_bias_fake(grad_output):
     return grad_output.new_empty((grad_output.shape[1],))
-
-
-def _needed_operands(ctx, inputs):
-    """Only the operands the requested gradients need: dX needs W, dW needs X."""
-    input, weight, _ = inputs
-    return (input if ctx.needs_input_grad[1] else None,
-            weight if ctx.needs_input_grad[0] else None)
-
-
-def _operand_grads(ctx, grad_output, input, weight):
-    needs_input, needs_weight, needs_bias = ctx.needs_input_grad
-    return (torch.ops.ext.linear_backward_input(grad_output, weight) if needs_input else None,
-            torch.ops.ext.linear_backward_weight(grad_output, input) if needs_weight else None,
-            torch.ops.ext.linear_backward_bias(grad_output) if needs_bias else None)
-
-
-def _linear_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*_needed_operands(ctx, inputs))
-
-
-def _linear_backward(ctx, grad_output):
-    input, weight = ctx.saved_tensors
-    return _operand_grads(ctx, grad_output, input, weight)
-
-
-def _linear_relu_setup_context(ctx, inputs, output):
-    # The output is ReLU's mask; save_for_backward keeps it without a reference cycle.
-    ctx.save_for_backward(*_needed_operands(ctx, inputs), output)
-
-
-def _linear_relu_backward(ctx, grad_output):
-    input, weight, output = ctx.saved_tensors
-    # ReLU's gradient in one fused pass, torch's own: 0 where output <= 0 (NaN passes through).
-    grad_output = torch.ops.aten.threshold_backward(grad_output, output, 0)
-    return _operand_grads(ctx, grad_output, input, weight)
-
-
-torch.library.register_autograd("ext::linear", _linear_backward, setup_context=_linear_setup_context)
-torch.library.register_autograd("ext::linear_relu", _linear_relu_backward,
-                                setup_context=_linear_relu_setup_context)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

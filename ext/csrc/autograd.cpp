@@ -1,0 +1,116 @@
+// Autograd for ext::linear and ext::linear_relu, in C++.
+//
+// Registered for the Autograd dispatch key, so the forward and the backward run
+// without entering Python: at batch 128 a Python autograd.Function added about
+// 10 µs per layer per step (measured: the 128x256->10 head took 22.7 µs against
+// F.linear's 13.5), as much as the GEMM itself on small layers.
+// The backward computes only the gradients autograd asks for and saves only the
+// operands they need (dX needs W, dW needs X). With create_graph it builds the
+// gradients from differentiable ops (ext::linear itself), so double backward works.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/threshold_backward.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+namespace ext {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+
+const c10::TypedOperatorHandle<LinearSignature>& linear_op(bool relu) {
+  static const auto plain =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ext::linear", "").typed<LinearSignature>();
+  static const auto fused =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ext::linear_relu", "").typed<LinearSignature>();
+  return relu ? fused : plain;
+}
+
+at::Tensor backward_input(const at::Tensor& grad_output, const at::Tensor& weight) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ext::linear_backward_input", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(grad_output, weight);
+}
+
+at::Tensor backward_weight(const at::Tensor& grad_output, const at::Tensor& input) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ext::linear_backward_weight", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(grad_output, input);
+}
+
+at::Tensor backward_bias(const at::Tensor& grad_output) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ext::linear_backward_bias", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(grad_output);
+}
+
+enum Input { kInput, kWeight, kBias };
+
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, bool relu) {
+    at::Tensor output;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      output = linear_op(relu).call(input, weight, bias);
+    }
+    // Undefined slots save nothing: dX needs only W, dW only X, and ReLU's mask is the output.
+    // (needs_input_grad is not usable here: with no input requiring grad the node has no edges.)
+    ctx->save_for_backward({weight.requires_grad() ? input : at::Tensor(),
+                            input.requires_grad() ? weight : at::Tensor(),
+                            relu ? output : at::Tensor()});
+    ctx->saved_data["relu"] = relu;
+    // A missing bias has no gradient slot (needs_input_grad(kBias) would be out of range).
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return output;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& weight = saved[1];
+    at::Tensor grad_output = grad_outputs[0];
+    // ReLU's gradient, torch's own: 0 where the output is <= 0 (NaN passes through).
+    if (ctx->saved_data["relu"].toBool()) grad_output = at::threshold_backward(grad_output, saved[2], 0);
+
+    at::Tensor grad_input, grad_weight, grad_bias;
+    const bool needs_grad_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(kBias);
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the same products through ext::linear, which records its own backward.
+      if (ctx->needs_input_grad(kInput)) grad_input = linear_op(false).call(grad_output, weight.t(), {});
+      if (ctx->needs_input_grad(kWeight)) grad_weight = linear_op(false).call(grad_output.t(), input.t(), {});
+      if (needs_grad_bias) grad_bias = grad_output.sum(0);
+    } else {
+      if (ctx->needs_input_grad(kInput)) grad_input = backward_input(grad_output, weight);
+      if (ctx->needs_input_grad(kWeight)) grad_weight = backward_weight(grad_output, input);
+      if (needs_grad_bias) grad_bias = backward_bias(grad_output);
+    }
+    return {grad_input, grad_weight, grad_bias, at::Tensor()};  // nothing for the relu flag
+  }
+};
+
+at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  return LinearFunction::apply(input, weight, bias, false);
+}
+
+at::Tensor linear_relu_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias) {
+  return LinearFunction::apply(input, weight, bias, true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ext, Autograd, m) {
+  m.impl("linear", &linear_autograd);
+  m.impl("linear_relu", &linear_relu_autograd);
+}
+
+}  // namespace ext
