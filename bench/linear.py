@@ -143,15 +143,29 @@ def parse_threads(text: str) -> list[int]:
     return counts
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'128x256->10,1024x1024->1024' -> [(128, 256, 10), (1024, 1024, 1024)] (batch x in -> out)."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            batch_in, out = item.split("->")
+            batch, in_features = batch_in.split("x")
+            shapes.append((int(batch), int(in_features), int(out)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad shape {item!r}: write batch x in -> out, e.g. 128x256->10")
+    return shapes
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="all,1", help="comma-separated thread counts; 'all' = every core")
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
+    parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '128x256->10,512x784->256'")
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
     args = parser.parse_args(argv)
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
 

@@ -1,0 +1,25 @@
+"""bench/linear.py times ext.linear against F.linear and prints (and writes) its tables (no timing limits)."""
+import argparse
+
+import pytest
+
+from bench import linear as bench_linear
+
+
+def test_parse_shapes():
+    assert bench_linear.parse_shapes("128x256->10,1024x1024->1024") == [(128, 256, 10), (1024, 1024, 1024)]
+    with pytest.raises(argparse.ArgumentTypeError, match="bad shape '128x256'"):
+        bench_linear.parse_shapes("128x256")
+
+
+def test_bench_prints_every_pass_and_writes_markdown(tmp_path, capsys):
+    markdown = tmp_path / "bench.md"
+    bench_linear.main(["--threads", "1", "--shapes", "8x12->5,3x7->33", "--min-run-time", "0.001",
+                       "--rounds", "1", "--markdown", str(markdown)])
+    shown = capsys.readouterr().out
+    for shape in ("8x12->5", "3x7->33"):
+        for pass_name in ("forward", "backward", "fwd+bwd"):
+            assert any(shape in line and pass_name in line for line in shown.splitlines())
+    assert "geomean torch/ext, fwd+bwd" in shown
+    written = markdown.read_text()
+    assert "| 8x12->5 |" in written and "### CPU, 1 thread" in written
