@@ -13,19 +13,26 @@ import ext  # noqa: F401  (loads the ops)
 ops = torch.ops.ext
 
 # The kernels' block sizes, written down once here. Source of truth: the
-# microkernel_<path>.cpp files (wide and narrow MR x NR register tiles; the
-# narrow one runs when N <= its NR) and gemm.cpp (kKC, kMCAvx512/kMCAvx2/kMCPortable, kNC).
-TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow)
-    ("avx512", torch.float32): ((8, 32), (8, 16)),
-    ("avx512", torch.float64): ((8, 16), (8, 8)),
-    ("avx2+fma", torch.float32): ((6, 16), (6, 8)),
-    ("avx2+fma", torch.float64): ((6, 8), (6, 4)),
-    ("portable", torch.float32): ((4, 8), (4, 4)),
-    ("portable", torch.float64): ((4, 4), (4, 2)),
+# microkernel_<path>.cpp files (wide, narrow and many-rows MR x NR register
+# tiles; the narrow one runs when N <= its NR, the many-rows one when
+# M >= MANY_ROWS_MIN_ROWS) and gemm.cpp (kKC, kMCAvx512/kMCAvx2/kMCPortable, kNC).
+TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow, (MR, NR) many rows)
+    ("avx512", torch.float32): ((8, 48), (8, 16), (6, 64)),
+    ("avx512", torch.float64): ((8, 16), (8, 8), (8, 16)),
+    ("avx2+fma", torch.float32): ((6, 16), (6, 8), (6, 16)),
+    ("avx2+fma", torch.float64): ((6, 8), (6, 4), (6, 8)),
+    ("portable", torch.float32): ((4, 8), (4, 4), (4, 8)),
+    ("portable", torch.float64): ((4, 4), (4, 2), (4, 4)),
+}
+LANES = {  # values per vector: a wide tile's ragged last column panel runs whole vectors of them
+    ("avx512", torch.float32): 16, ("avx512", torch.float64): 8,
+    ("avx2+fma", torch.float32): 8, ("avx2+fma", torch.float64): 4,
+    ("portable", torch.float32): 4, ("portable", torch.float64): 2,
 }
 KC = {torch.float32: 512, torch.float64: 256}
 MC = {"avx512": 240, "avx2+fma": 120, "portable": 120}  # rows of a packed A block, per path
-NC = 4096
+NC = 3072
+MANY_ROWS_MIN_ROWS = 256  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
 
@@ -89,15 +96,25 @@ def assert_close(actual, expected, dtype, depth):
 
 def boundary_shapes(path, dtype):
     """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC,
-    and on each side of the row count where a row-major B stops being read in place."""
-    (mr, nr), (narrow_mr, narrow_nr) = TILES[path, dtype]
-    kc, mc = KC[dtype], MC[path]
+    on each side of the row count where a row-major B stops being read in place, and of the
+    one where the many-rows tile takes over; ragged last column panels of every vector count."""
+    (mr, nr), (narrow_mr, narrow_nr), (many_mr, many_nr) = TILES[path, dtype]
+    kc, mc, lanes = KC[dtype], MC[path], LANES[path, dtype]
     shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, mc - 1, mc, mc + 1)]
     shapes += [(m, nr + 1, kc + 1) for m in (B_IN_PLACE_MAX_ROWS, B_IN_PLACE_MAX_ROWS + 1)]
     shapes += [(narrow_mr + 1, narrow_nr, kc + 1)]  # narrow tile, full
     shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
     shapes.append((mc + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
+    # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
+    shapes += [(mr + 1, nr + v * lanes + extra, kc + 1) for v in range(1, nr // lanes) for extra in (0, 1)]
+    # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.
+    shapes += [(m, many_nr + 1, kc + 1) for m in (MANY_ROWS_MIN_ROWS - 1, MANY_ROWS_MIN_ROWS,
+                                                 MANY_ROWS_MIN_ROWS + 1, MANY_ROWS_MIN_ROWS + many_mr - 1,
+                                                 2 * mc - 1, 2 * mc + 1)]
+    shapes += [(MANY_ROWS_MIN_ROWS + 1, n, 5) for n in (many_nr - 1, many_nr, many_nr + lanes + 1, NC + 1)]
+    shapes += [(MANY_ROWS_MIN_ROWS + many_mr + 1, many_nr + v * lanes, k)
+               for v in range(1, many_nr // lanes) for k in (kc, 2 * kc + 1)]
     return shapes
 
 
@@ -122,10 +139,13 @@ LAYOUTS = ["contiguous", "transposed", "strided"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 def test_strided_and_transposed_operands(path, dtype):
-    (mr, nr), _ = TILES[path, dtype]
-    m, n, k = 2 * mr + 1, nr + 3, KC[dtype] + 9  # ragged in every dimension
+    (mr, nr), _, (many_mr, _) = TILES[path, dtype]
+    # Ragged in every dimension, on the wide tile, then on the many-rows one (M and,
+    # for dW, N of at least MANY_ROWS_MIN_ROWS).
+    shapes = [(2 * mr + 1, nr + 3, KC[dtype] + 9),
+              (MANY_ROWS_MIN_ROWS + 2 * many_mr + 1, MANY_ROWS_MIN_ROWS + 3, KC[dtype] + 9)]
     with cpu_path(path):
-        for x_layout, w_layout in itertools.product(LAYOUTS, LAYOUTS):
+        for (m, n, k), x_layout, w_layout in itertools.product(shapes, LAYOUTS, LAYOUTS):
             x, w = make(m, k, dtype, x_layout, 1), make(n, k, dtype, w_layout, 2)
             dy, b = make(m, n, dtype, x_layout, 3), make(1, n, dtype, "contiguous", 4)[0]
             assert_close(ops.linear(x, w, b), reference_linear(x, w, b), dtype, k)

@@ -35,7 +35,7 @@ constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
 // Deeper blocks mean fewer passes that reload and re-store C; measured here on
 // 1024^3 (1 thread), KC = 128 -> 1024 floats took the forward from 147 to 174
 // GFLOP/s. An A micro-panel (MR x KC, at most 16 KiB) stays in L1d while it
-// meets every B micro-panel; the B micro-panels (KC x NR, 32-64 KiB) come from L2.
+// meets every B micro-panel; the B micro-panels (KC x NR, 32-128 KiB) come from L2.
 template <typename T>
 constexpr int64_t kKC = 2048 / sizeof(T);
 static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
@@ -63,9 +63,17 @@ int64_t block_rows(CpuPath path) {
   return kMCPortable;
 }
 
-// NC: columns of one packed B block (KC x NC = 8 MiB per thread), in L3; a
-// multiple of every NR. Wider than every layer here, so B is packed once per K block.
-constexpr int64_t kNC = 4096;
+// NC: columns of one packed B block (KC x NC = 6 MiB per thread), in L3; a
+// multiple of every NR (48 and 64 among them). Wider than every layer here, so
+// B is packed once per K block.
+constexpr int64_t kNC = 3072;
+
+// From this many rows of C on, the path's many-rows tile runs (AVX-512 float:
+// 6x64 instead of 8x48, see microkernel_avx512.cpp). Measured here (1 thread,
+// GFLOP/s, 8x48 -> 6x64): forward 256x784->256 170 -> 171, 512x784->256
+// 175 -> 183, 1024^3 175 -> 182; dW with 256 rows 166 -> 171; but at 128 rows
+// dX 128x784->256 163 -> 141 (a ragged last row panel, 128 = 21 x 6 + 2).
+constexpr int64_t kManyRowsMinRows = 256;
 
 // Up to this many rows of C (16 row tiles of 8) a row-major B is read in place
 // rather than packed. Measured here (1 thread): dX 128x784->256 320 -> 304 us,
@@ -164,7 +172,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t MC, int64_t m0, int64_t m1, int
           if (!read_b_in_place) {
             tile.b = packed_b + jr * kc;
             tile.b_k_stride = NR;
-          } else if (tile.cols == NR) {
+          } else if (tile.cols % uk.lanes == 0) {  // whole vectors: no padding to read
             tile.b = b_block + jr;
             tile.b_k_stride = b_rs;
           } else {
@@ -180,16 +188,16 @@ void gemm_slab(const Microkernel<T>& uk, int64_t MC, int64_t m0, int64_t m1, int
             if (!read_a_in_place) {
               tile.a = packed_a + ir * kc;
               tile.a_k_stride = MR;
-              uk.tile_unit_row_stride(tile);
+              uk.tile_unit_row_stride(tile.cols)(tile);
             } else if (tile.rows == MR) {
               tile.a = a_block + ir * a_rs;
               tile.a_row_stride = a_rs;
-              uk.tile_unit_k_stride(tile);
+              uk.tile_unit_k_stride(tile.cols)(tile);
             } else {
               uk.pack_a(a_block + ir * a_rs, a_rs, a_cs, tile.rows, kc, packed_a);
               tile.a = packed_a;
               tile.a_k_stride = MR;
-              uk.tile_unit_row_stride(tile);
+              uk.tile_unit_row_stride(tile.cols)(tile);
             }
           }
         }
@@ -268,7 +276,9 @@ void gemm(int64_t M, int64_t N, int64_t K,
   if (M == 0 || N == 0) return;
   if (K == 0) return fill_bias(M, N, bias, relu, C, ldc);
   const Microkernels<T> kernels = microkernels<T>(g_active_path);
-  const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow : kernels.wide;
+  const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow
+                            : M >= kManyRowsMinRows ? kernels.many_rows
+                                                    : kernels.wide;
   const int64_t MC = block_rows(g_active_path);
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
   const bool small = 2.0 * M * N * K < kParallelMinFlops;

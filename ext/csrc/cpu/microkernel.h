@@ -29,25 +29,38 @@ struct TileArgs {
   bool relu;
 };
 
+// Most vectors per row of a register tile (NR = NV x lanes), over all paths.
+constexpr int kMaxTileVectors = 4;
+
 template <typename T>
 struct Microkernel {
+  using TileFn = void (*)(const TileArgs<T>&);
   int64_t mr, nr;  // register tile: MR rows x NR columns of C
+  int64_t lanes;   // NR = NV vectors of `lanes` values
+  // [v - 1] computes v vectors of columns (cols <= v * lanes), reading the same
+  // B panel (any b_k_stride): a ragged last column panel of a wide tile runs
+  // only the vectors it needs, and none of them through the local edge copy
+  // when its width is a whole number of vectors.
   // A with unit row stride (a packed panel, or a column-major operand).
-  void (*tile_unit_row_stride)(const TileArgs<T>&);
+  TileFn tile_unit_row_stride_by_vectors[kMaxTileVectors];
   // A with unit k stride (a row-major operand read in place, no packing).
-  void (*tile_unit_k_stride)(const TileArgs<T>&);
+  TileFn tile_unit_k_stride_by_vectors[kMaxTileVectors];
+  TileFn tile_unit_row_stride(int64_t cols) const { return tile_unit_row_stride_by_vectors[(cols - 1) / lanes]; }
+  TileFn tile_unit_k_stride(int64_t cols) const { return tile_unit_k_stride_by_vectors[(cols - 1) / lanes]; }
   // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
   void (*pack_a)(const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst);
   // Packs B[kc x cols] into NR-column panels (k-major inside a panel), zero-padded.
   void (*pack_b)(const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols, T* dst);
 };
 
-// Each path has a wide tile for most products and a narrow one (NR of one
-// vector) for outputs with few columns, like a 10-class head, where the wide
-// tile would spend most of its FMAs on padding.
+// Each path has a wide tile for most products, a narrow one (NR of one vector)
+// for outputs with few columns, like a 10-class head, where the wide tile would
+// spend most of its FMAs on padding, and one for products with many rows
+// (kManyRowsMinRows in gemm.cpp), where a wider, shorter tile pays (the wide
+// tile again on paths where none was measured faster).
 template <typename T>
 struct Microkernels {
-  Microkernel<T> wide, narrow;
+  Microkernel<T> wide, narrow, many_rows;
 };
 
 template <typename T> Microkernels<T> portable_microkernels();

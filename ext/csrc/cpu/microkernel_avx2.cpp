@@ -36,12 +36,14 @@ struct Avx2Double : AvxTranspose<double> {
 
 }  // namespace
 
-// float 6x16 and 6x8, double 6x8 and 6x4.
+// float 6x16 and 6x8, double 6x8 and 6x4; the wide tile serves many rows too.
 template <> Microkernels<float> avx2_microkernels<float>() {
-  return {make_microkernel<Avx2Float, 6, 2>(), make_microkernel<Avx2Float, 6, 1>()};
+  const Microkernel<float> wide = make_microkernel<Avx2Float, 6, 2>();
+  return {wide, make_microkernel<Avx2Float, 6, 1>(), wide};
 }
 template <> Microkernels<double> avx2_microkernels<double>() {
-  return {make_microkernel<Avx2Double, 6, 2>(), make_microkernel<Avx2Double, 6, 1>()};
+  const Microkernel<double> wide = make_microkernel<Avx2Double, 6, 2>();
+  return {wide, make_microkernel<Avx2Double, 6, 1>(), wide};
 }
 
 }  // namespace ext::cpu

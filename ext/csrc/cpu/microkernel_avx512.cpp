@@ -1,8 +1,13 @@
-// AVX-512 microkernels: an 8 x 2-vector accumulator tile (16 of the 32 zmm
-// registers): 16 independent FMA chains cover the 4-cycle latency of two FMA
-// ports twice over. MR = 8 divides every batch size and layer width we run
-// (128, 256, 512, 1000, 1024, ...), so no row tile is ragged; measured here it
-// beat 12 rows (fewer FMAs per load, but a ragged last tile at M = 128).
+// AVX-512 microkernels. float: an 8 x 3-vector accumulator tile (24 of the 32
+// zmm registers) for most products, 6 x 4 vectors (24) from kManyRowsMinRows
+// rows on. Both give each B vector loaded and each A value broadcast more FMAs
+// than 8 x 2 (the tile before): 24 FMAs per 11 or 10 loads instead of 16 per
+// 10. Measured here alone on packed panels (KC = 512, 1 thread): 8x32 196,
+// 8x48 212-215, 6x64 205-212 GFLOP/s. In the GEMM, 6x64 is the faster one at
+// 256 rows and more (forward 1024^3 175 -> 182, 8x48's 175), but at 128 rows
+// its ragged last row panel (128 = 21 x 6 + 2) cost dX 128x784->256 12%
+// against 8x48, which never has a ragged row panel at the batch sizes we run.
+// double keeps 8 x 2 vectors (not measured against others).
 #include "microkernel.h"
 
 #include <immintrin.h>
@@ -39,12 +44,14 @@ struct Avx512Double : AvxTranspose<double> {
 
 }  // namespace
 
-// float 8x32 and 8x16, double 8x16 and 8x8.
+// float 8x48, 8x16 and 6x64; double 8x16, 8x8 and 8x16.
 template <> Microkernels<float> avx512_microkernels<float>() {
-  return {make_microkernel<Avx512Float, 8, 2>(), make_microkernel<Avx512Float, 8, 1>()};
+  return {make_microkernel<Avx512Float, 8, 3>(), make_microkernel<Avx512Float, 8, 1>(),
+          make_microkernel<Avx512Float, 6, 4>()};
 }
 template <> Microkernels<double> avx512_microkernels<double>() {
-  return {make_microkernel<Avx512Double, 8, 2>(), make_microkernel<Avx512Double, 8, 1>()};
+  const Microkernel<double> wide = make_microkernel<Avx512Double, 8, 2>();
+  return {wide, make_microkernel<Avx512Double, 8, 1>(), wide};
 }
 
 }  // namespace ext::cpu

@@ -121,11 +121,15 @@ template <class Simd, int MR, int NV>
 Microkernel<typename Simd::T> make_microkernel() {
   using T = typename Simd::T;
   constexpr int NR = NV * Simd::kLanes;
+  static_assert(NV <= kMaxTileVectors);
   return {
       MR,
       NR,
-      &tile<Simd, MR, NV, true>,
-      &tile<Simd, MR, NV, false>,
+      Simd::kLanes,
+      {&tile<Simd, MR, 1, true>, &tile<Simd, MR, std::min(2, NV), true>, &tile<Simd, MR, std::min(3, NV), true>,
+       &tile<Simd, MR, std::min(4, NV), true>},
+      {&tile<Simd, MR, 1, false>, &tile<Simd, MR, std::min(2, NV), false>, &tile<Simd, MR, std::min(3, NV), false>,
+       &tile<Simd, MR, std::min(4, NV), false>},
       [](const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst) {
         pack_panels<Simd, MR>(a, row_stride, k_stride, rows, kc, dst);
       },

@@ -26,12 +26,14 @@ struct GenericVector {
 
 }  // namespace
 
-// float 4x8 and 4x4, double 4x4 and 4x2.
+// float 4x8 and 4x4, double 4x4 and 4x2; the wide tile serves many rows too.
 template <> Microkernels<float> portable_microkernels<float>() {
-  return {make_microkernel<GenericVector<float>, 4, 2>(), make_microkernel<GenericVector<float>, 4, 1>()};
+  const Microkernel<float> wide = make_microkernel<GenericVector<float>, 4, 2>();
+  return {wide, make_microkernel<GenericVector<float>, 4, 1>(), wide};
 }
 template <> Microkernels<double> portable_microkernels<double>() {
-  return {make_microkernel<GenericVector<double>, 4, 2>(), make_microkernel<GenericVector<double>, 4, 1>()};
+  const Microkernel<double> wide = make_microkernel<GenericVector<double>, 4, 2>();
+  return {wide, make_microkernel<GenericVector<double>, 4, 1>(), wide};
 }
 
 }  // namespace ext::cpu
