@@ -106,6 +106,9 @@ def boundary_shapes(path, dtype):
     shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
     shapes.append((mc + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
+    # K < KC: up to MC * KC / K rows (rounded down to MR) make a single A block; one more, MC-row blocks.
+    rows_in_block_bytes = mc * kc // (kc // 2) // mr * mr
+    shapes += [(m, nr + 1, kc // 2) for m in (mc + 1, rows_in_block_bytes, rows_in_block_bytes + 1)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, kc + 1) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.
