@@ -44,6 +44,9 @@ CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp")  # OpenMP: at::parallel_for runs s
 CUDA_FLAGS = ("-O3", "-std=c++20")
 CUDA_DEFINE = "-DLINEAR_LAB_WITH_CUDA"  # ops.cpp registers "rebuild with CUDA" errors without it
 DEFAULT_CUDA_ARCHS = "8.0;9.0"  # A100 and H100: what a forced build without a GPU targets
+# Each source edit builds into a new directory; after a build only this many of the most recently
+# used ones stay (a build is 1.5 MB CPU-only, tens of MB with CUDA).
+KEEP_BUILDS = 5
 # Rough one-time build times on a 2-core machine, for the message shown while building.
 BUILD_ESTIMATE_S = {False: 15, True: 120}
 
@@ -134,6 +137,13 @@ def load_library(env=os.environ) -> dict:
     config = build_config(env)
     directory = build_dir(config, env)
     manifest = _read_manifest(directory)
+    if manifest is not None:
+        try:
+            os.utime(directory / MANIFEST_NAME)  # "recently used", for _prune_old_builds
+        except FileNotFoundError:
+            manifest = None  # another process's build pruned it a moment ago: build it again
+        except OSError:
+            pass  # a read-only cache: it loads all the same
     if manifest is None:
         try:
             directory.parent.mkdir(parents=True, exist_ok=True)
@@ -144,8 +154,32 @@ def load_library(env=os.environ) -> dict:
             manifest = _read_manifest(directory)  # another process may have built it meanwhile
             if manifest is None:
                 manifest = _build(config, directory)
+        _prune_old_builds(directory.parent, keep=directory)
     torch.ops.load_library(str(directory / manifest["library"]))
     return manifest
+
+
+def _prune_old_builds(root: Path, keep: Path) -> None:
+    """Deletes all but the KEEP_BUILDS most recently used build directories under root (keep stays).
+
+    A directory whose lock another process holds (it is building there) is left alone; a process
+    that loaded an old library keeps running, since the loaded file stays mapped after deletion.
+    """
+    def last_used_s(directory: Path) -> float:
+        manifest = directory / MANIFEST_NAME
+        return (manifest if manifest.exists() else directory).stat().st_mtime
+
+    builds = [d for d in root.glob("ext-*") if d.is_dir() and d != keep and ".stale-" not in d.name]
+    builds.sort(key=last_used_s, reverse=True)
+    for directory in builds[KEEP_BUILDS - 1:]:
+        lock_path = directory.with_name(directory.name + ".lock")
+        with open(lock_path, "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being built right now
+            shutil.rmtree(directory, ignore_errors=True)
+            lock_path.unlink(missing_ok=True)
 
 
 def _read_manifest(directory: Path) -> dict | None:

@@ -3,6 +3,7 @@ recovery from a killed build, compile errors, and `python -m ext`.
 
 Fresh builds run in subprocesses (one process can load only one copy of the ops)
 into temporary cache roots: two CPU builds (~10-20 s each) and one CUDA build for one architecture (~60 s)."""
+import fcntl
 import json
 import os
 import re
@@ -38,7 +39,8 @@ def run_python(code, env, timeout_s=600):
 def test_cpu_only_when_torch_sees_no_gpu():
     config = _build.build_config({}, cuda_available=False)
     assert not config.with_cuda and config.cuda_archs == "" and config.describe() == "CPU-only"
-    assert [Path(s) for s in config.sources] == [CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    assert [Path(s) for s in config.sources] == [CSRC / "ops.cpp", CSRC / "autograd.cpp",
+                                                 *sorted((CSRC / "cpu").glob("*.cpp"))]
     assert _build.CUDA_DEFINE not in config.cxx_flags
     assert _build._build_env(config) == {}
 
@@ -48,7 +50,8 @@ def test_forcing_cuda_without_gpu_targets_default_archs():
     assert config.with_cuda and config.cuda_archs == "8.0;9.0"
     assert config.describe() == "with CUDA for sm_80, sm_90"
     cuda_sources = sorted((CSRC / "cuda").glob("*.cu"))
-    assert [Path(s) for s in config.sources] == [CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp")),
+    assert [Path(s) for s in config.sources] == [CSRC / "ops.cpp", CSRC / "autograd.cpp",
+                                                 *sorted((CSRC / "cpu").glob("*.cpp")),
                                                  *cuda_sources]
     assert _build.CUDA_DEFINE in config.cxx_flags and config.cuda_flags
     build_env = _build._build_env(config)
@@ -199,3 +202,34 @@ def test_forced_cuda_build_compiles_loads_and_keeps_the_cpu_kernels(tmp_path):
     report = subprocess.run([sys.executable, "-m", "ext"], env=env, cwd=REPO, capture_output=True,
                             text=True, timeout=600)
     assert f"kernels:        {expected}\n" in report.stdout
+
+
+def test_old_builds_are_pruned_keeping_the_recent_and_the_busy(tmp_path):
+    def fake_build(name, used_s):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "manifest.json").write_text("{}")
+        os.utime(directory / "manifest.json", (used_s, used_s))
+        directory.with_name(name + ".lock").touch()
+        return directory
+
+    builds = [fake_build(f"ext-{i:016x}", used_s=1_000_000 + i) for i in range(8)]  # ext-...7 is the newest
+    busy = fake_build("ext-busy", used_s=1)  # the oldest, but another process is building there
+    current = fake_build("ext-current", used_s=0)
+    other_files = tmp_path / "emu"
+    other_files.mkdir()
+    with open(busy.with_name("ext-busy.lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _build._prune_old_builds(tmp_path, keep=current)
+    kept = {current, busy, *builds[-(_build.KEEP_BUILDS - 1):]}
+    assert {d for d in tmp_path.glob("ext-*") if d.is_dir()} == kept
+    assert {p.name for p in tmp_path.glob("*.lock")} == {d.name + ".lock" for d in kept}
+    assert other_files.is_dir()
+
+
+def test_loading_a_build_marks_it_recently_used(built_root):
+    root, results = built_root
+    manifest = Path(results[0][1].strip()) / "manifest.json"
+    os.utime(manifest, (1, 1))
+    assert run_python("import ext", cpu_build_env(root)).returncode == 0
+    assert manifest.stat().st_mtime > time.time() - 600
