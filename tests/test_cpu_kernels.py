@@ -109,6 +109,12 @@ def boundary_shapes(path, dtype):
     # K < KC: up to MC * KC / K rows (rounded down to MR) make a single A block; one more, MC-row blocks.
     rows_in_block_bytes = mc * kc // (kc // 2) // mr * mr
     shapes += [(m, nr + 1, kc // 2) for m in (mc + 1, rows_in_block_bytes, rows_in_block_bytes + 1)]
+    # Ragged last row panels run tiles of about MR / 2 and MR / 4 rows: each of those, and one more.
+    row_variants = sorted({(mr + 1) // 2, (mr + 3) // 4})
+    shapes += [(mr + r, nr + 1, kc + 1) for v in row_variants for r in (v, v + 1)]
+    first_many = -(-MANY_ROWS_MIN_ROWS // many_mr) * many_mr
+    shapes += [(first_many + r, many_nr + 1, kc + 1) for v in sorted({(many_mr + 1) // 2, (many_mr + 3) // 4})
+               for r in (v, v + 1)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, kc + 1) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.

@@ -205,16 +205,16 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t m0, int64_t m
             if (!read_a_in_place) {
               tile.a = packed_a + ir * kc;
               tile.a_k_stride = MR;
-              uk.tile_unit_row_stride(tile.cols)(tile);
+              uk.tile_unit_row_stride(tile.rows, tile.cols)(tile);
             } else if (tile.rows == MR) {
               tile.a = a_block + ir * a_rs;
               tile.a_row_stride = a_rs;
-              uk.tile_unit_k_stride(tile.cols)(tile);
+              uk.tile_unit_k_stride(tile.rows, tile.cols)(tile);
             } else {
               uk.pack_a(a_block + ir * a_rs, a_rs, a_cs, tile.rows, kc, packed_a);
               tile.a = packed_a;
               tile.a_k_stride = MR;
-              uk.tile_unit_row_stride(tile.cols)(tile);
+              uk.tile_unit_row_stride(tile.rows, tile.cols)(tile);
             }
           }
         }

@@ -31,22 +31,33 @@ struct TileArgs {
 
 // Most vectors per row of a register tile (NR = NV x lanes), over all paths.
 constexpr int kMaxTileVectors = 4;
+// Row counts each microkernel has an instance for: MR, about MR / 2 and MR / 4.
+constexpr int kRowVariants = 3;
 
 template <typename T>
 struct Microkernel {
   using TileFn = void (*)(const TileArgs<T>&);
   int64_t mr, nr;  // register tile: MR rows x NR columns of C
   int64_t lanes;   // NR = NV vectors of `lanes` values
-  // [v - 1] computes v vectors of columns (cols <= v * lanes), reading the same
-  // B panel (any b_k_stride): a ragged last column panel of a wide tile runs
-  // only the vectors it needs, and none of them through the local edge copy
-  // when its width is a whole number of vectors.
+  // Tiles that are not full run the smallest instance that covers them, reading
+  // the same panels (any a_k_stride and b_k_stride): [r][v - 1] computes
+  // rows_of_variant[r] rows and v vectors of columns (cols <= v * lanes). A
+  // ragged last column panel of a wide tile runs only the vectors it needs,
+  // and none through the local edge copy when its width is whole vectors; a
+  // ragged row panel (the 10 rows of a 10-class head's dW: 8 + 2) runs 2 or 4
+  // rows instead of MR.
+  int64_t rows_of_variant[kRowVariants];
   // A with unit row stride (a packed panel, or a column-major operand).
-  TileFn tile_unit_row_stride_by_vectors[kMaxTileVectors];
+  TileFn unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
   // A with unit k stride (a row-major operand read in place, no packing).
-  TileFn tile_unit_k_stride_by_vectors[kMaxTileVectors];
-  TileFn tile_unit_row_stride(int64_t cols) const { return tile_unit_row_stride_by_vectors[(cols - 1) / lanes]; }
-  TileFn tile_unit_k_stride(int64_t cols) const { return tile_unit_k_stride_by_vectors[(cols - 1) / lanes]; }
+  TileFn unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
+  int row_variant(int64_t rows) const { return rows <= rows_of_variant[2] ? 2 : rows <= rows_of_variant[1] ? 1 : 0; }
+  TileFn tile_unit_row_stride(int64_t rows, int64_t cols) const {
+    return unit_row_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
+  }
+  TileFn tile_unit_k_stride(int64_t rows, int64_t cols) const {
+    return unit_k_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
+  }
   // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
   void (*pack_a)(const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst);
   // Packs B[kc x cols] into NR-column panels (k-major inside a panel), zero-padded.

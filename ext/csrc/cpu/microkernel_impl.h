@@ -129,26 +129,41 @@ void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_str
   }
 }
 
+// Instances of an R-row tile for 1 .. kMaxTileVectors vectors of columns (at most NV).
+template <class Simd, int R, int NV, bool kUnitRowStride>
+void set_tiles(typename Microkernel<typename Simd::T>::TileFn (&tiles)[kMaxTileVectors]) {
+  tiles[0] = &tile<Simd, R, 1, kUnitRowStride>;
+  tiles[1] = &tile<Simd, R, std::min(2, NV), kUnitRowStride>;
+  tiles[2] = &tile<Simd, R, std::min(3, NV), kUnitRowStride>;
+  tiles[3] = &tile<Simd, R, std::min(4, NV), kUnitRowStride>;
+}
+
 template <class Simd, int MR, int NV>
 Microkernel<typename Simd::T> make_microkernel() {
   using T = typename Simd::T;
   constexpr int NR = NV * Simd::kLanes;
   static_assert(NV <= kMaxTileVectors);
-  return {
-      MR,
-      NR,
-      Simd::kLanes,
-      {&tile<Simd, MR, 1, true>, &tile<Simd, MR, std::min(2, NV), true>, &tile<Simd, MR, std::min(3, NV), true>,
-       &tile<Simd, MR, std::min(4, NV), true>},
-      {&tile<Simd, MR, 1, false>, &tile<Simd, MR, std::min(2, NV), false>, &tile<Simd, MR, std::min(3, NV), false>,
-       &tile<Simd, MR, std::min(4, NV), false>},
-      [](const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst) {
-        pack_panels<Simd, MR>(a, row_stride, k_stride, rows, kc, dst);
-      },
-      [](const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols, T* dst) {
-        pack_panels<Simd, NR>(b, col_stride, k_stride, cols, kc, dst);
-      },
+  constexpr int kHalf = (MR + 1) / 2, kQuarter = (MR + 3) / 4;
+  Microkernel<T> uk{};
+  uk.mr = MR;
+  uk.nr = NR;
+  uk.lanes = Simd::kLanes;
+  uk.rows_of_variant[0] = MR;
+  uk.rows_of_variant[1] = kHalf;
+  uk.rows_of_variant[2] = kQuarter;
+  set_tiles<Simd, MR, NV, true>(uk.unit_row_stride_tiles[0]);
+  set_tiles<Simd, kHalf, NV, true>(uk.unit_row_stride_tiles[1]);
+  set_tiles<Simd, kQuarter, NV, true>(uk.unit_row_stride_tiles[2]);
+  set_tiles<Simd, MR, NV, false>(uk.unit_k_stride_tiles[0]);
+  set_tiles<Simd, kHalf, NV, false>(uk.unit_k_stride_tiles[1]);
+  set_tiles<Simd, kQuarter, NV, false>(uk.unit_k_stride_tiles[2]);
+  uk.pack_a = [](const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst) {
+    pack_panels<Simd, MR>(a, row_stride, k_stride, rows, kc, dst);
   };
+  uk.pack_b = [](const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols, T* dst) {
+    pack_panels<Simd, NR>(b, col_stride, k_stride, cols, kc, dst);
+  };
+  return uk;
 }
 
 }  // namespace
