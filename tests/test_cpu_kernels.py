@@ -32,6 +32,7 @@ LANES = {  # values per vector: a wide tile's ragged last column panel runs whol
 KC = {torch.float32: 512, torch.float64: 256}
 MC = {"avx512": 240, "avx2+fma": 120, "portable": 120}  # rows of a packed A block, per path
 NC = 3072
+SINGLE_BLOCK_BYTES = {"avx512": 512 * 1024, "avx2+fma": 256 * 1024, "portable": 256 * 1024}  # gemm.cpp single_block_bytes
 MANY_ROWS_MIN_ROWS = 256  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
@@ -106,9 +107,10 @@ def boundary_shapes(path, dtype):
     shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
     shapes.append((mc + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
-    # K < KC: up to MC * KC / K rows (rounded down to MR) make a single A block; one more, MC-row blocks.
-    rows_in_block_bytes = mc * kc // (kc // 2) // mr * mr
-    shapes += [(m, nr + 1, kc // 2) for m in (mc + 1, rows_in_block_bytes, rows_in_block_bytes + 1)]
+    # Rows that fit in SINGLE_BLOCK_BYTES at depth min(K, KC) make one A block; one more, MC-row blocks.
+    for k in (kc // 2, kc):
+        single_block_rows = SINGLE_BLOCK_BYTES[path] // (k * dtype.itemsize)
+        shapes += [(m, nr + 1, k) for m in (mc + 1, single_block_rows, single_block_rows + 1)]
     # Ragged last row panels run tiles of about MR / 2 and MR / 4 rows: each of those, and one more.
     row_variants = sorted({(mr + 1) // 2, (mr + 3) // 4})
     shapes += [(mr + r, nr + 1, kc + 1) for v in row_variants for r in (v, v + 1)]

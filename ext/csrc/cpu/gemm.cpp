@@ -63,6 +63,16 @@ int64_t block_rows(CpuPath path) {
   return kMCPortable;
 }
 
+// The bytes an A block may take when all of a slab's rows fit in one: the
+// budget MC was sized for (a quarter of this Xeon's L2, half of Zen3's). One
+// block means B is packed per micro-panel (gemm_slab) and read once, where
+// 256 rows of KC in MC-row blocks (240 + 16) re-read all of B for 16 rows.
+// Measured (1 thread): dW 512x784->256 (256 rows, K = 512) 158-160 -> 174
+// GFLOP/s (torch 176-178), dW 512x256->256 161-162 -> 167-168 (torch 171-173).
+int64_t single_block_bytes(CpuPath path) {
+  return path == CpuPath::Avx512 ? kL2Bytes / 4 : kZen3L2Bytes / 2;
+}
+
 // NC: columns of one packed B block (KC x NC = 6 MiB per thread), in L3; a
 // multiple of every NR (48 and 64 among them). Wider than every layer here, so
 // B is packed once per K block.
@@ -132,18 +142,21 @@ inline void prefetch_tile(const void* c, int64_t rows, int64_t row_bytes, int64_
 
 // The five loops on one slab of C: rows [m0, m1), columns [n0, n1).
 template <typename T>
-void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K,
+void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_bytes, int64_t m0, int64_t m1,
+               int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
                const T* bias, bool relu, T* C, int64_t ldc) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = kKC<T>;
-  // The A block is sized in bytes (mc_at_kc rows of KC): when a product
-  // shallower than KC (dW, K = batch) has all its rows fit in those bytes, they
-  // make one block, which lets B be packed per micro-panel (below). Measured
-  // (1 thread): dW 128x784->256 (256 rows, K = 128) 177 -> 181 GFLOP/s. More
-  // rows in bigger, fewer blocks were slower (dW 128x2048->1000, 1000 rows in
-  // 960 + 40 instead of 240s: 171 -> 156), so only a single block grows.
-  const int64_t rows_in_block_bytes = mc_at_kc * KC / std::min(KC, K) / MR * MR;
-  const int64_t MC = m1 - m0 <= rows_in_block_bytes ? std::max(mc_at_kc, m1 - m0) : mc_at_kc;
+  // When all the slab's rows fit in single_block_bytes (more of them when K is
+  // shallower than KC: dW, K = batch), they make one A block, which lets B be
+  // packed per micro-panel (below). Measured (1 thread): dW 128x784->256 (256
+  // rows, K = 128) 177 -> 181 GFLOP/s. More rows in bigger, fewer blocks were
+  // slower (dW 128x2048->1000, 1000 rows in 960 + 40 instead of 240s:
+  // 171 -> 156), so only a single block grows.
+  const int64_t single_block_rows = single_block_bytes / (std::min(KC, K) * static_cast<int64_t>(sizeof(T)));
+  // Rounded up to whole MR panels: pack_a zero-pads the last one, and packed_a
+  // (below) holds MC rows.
+  const int64_t MC = m1 - m0 <= single_block_rows ? std::max(mc_at_kc, (m1 - m0 + MR - 1) / MR * MR) : mc_at_kc;
   // A row-major with rows of whole MR panels is read in place: packing it would
   // cost as much as the small products it feeds. A row-major B (dX: W, dW: X) is
   // read in place when few row tiles reuse it; with more, the packed copy's
@@ -296,7 +309,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow
                             : M >= kManyRowsMinRows ? kernels.many_rows
                                                     : kernels.wide;
-  const int64_t MC = block_rows(g_active_path);
+  const int64_t MC = block_rows(g_active_path), single_bytes = single_block_bytes(g_active_path);
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
   const bool small = 2.0 * M * N * K < kParallelMinFlops;
   const int64_t threads = small || at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -308,10 +321,10 @@ void gemm(int64_t M, int64_t N, int64_t K,
   run_slabs(slabs, [&](int64_t slab) {
     const int64_t p0 = panels * slab / slabs, p1 = panels * (slab + 1) / slabs;
     if (split_columns) {
-      gemm_slab(uk, MC, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
+      gemm_slab(uk, MC, single_bytes, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
                 bias, relu, C, ldc);
     } else {
-      gemm_slab(uk, MC, p0 * uk.mr, std::min(M, p1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
+      gemm_slab(uk, MC, single_bytes, p0 * uk.mr, std::min(M, p1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
                 bias, relu, C, ldc);
     }
   });
