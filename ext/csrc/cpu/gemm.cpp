@@ -316,15 +316,19 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // Split the wider side: each slab re-packs the other operand's part, so split
   // where that part is smaller (A is M x K, B is K x N) while every slab has a panel.
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads);
-  const int64_t panels = split_columns ? n_panels : m_panels;
-  const int64_t slabs = std::min(threads, panels);
+  const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
+  // Column slabs are cut at whole vectors rather than whole NR panels: a slab's
+  // ragged last panel runs only the vectors it has, and with NR = 48 or 64,
+  // whole panels split unevenly (N = 1000 in 48s: 480 + 520 columns; in
+  // vectors of 16, 496 + 504).
+  const int64_t units = split_columns ? (N + uk.lanes - 1) / uk.lanes : m_panels;
   run_slabs(slabs, [&](int64_t slab) {
-    const int64_t p0 = panels * slab / slabs, p1 = panels * (slab + 1) / slabs;
+    const int64_t u0 = units * slab / slabs, u1 = units * (slab + 1) / slabs;
     if (split_columns) {
-      gemm_slab(uk, MC, single_bytes, 0, M, p0 * uk.nr, std::min(N, p1 * uk.nr), K, A, a_rs, a_cs, B, b_rs, b_cs,
+      gemm_slab(uk, MC, single_bytes, 0, M, u0 * uk.lanes, std::min(N, u1 * uk.lanes), K, A, a_rs, a_cs, B, b_rs, b_cs,
                 bias, relu, C, ldc);
     } else {
-      gemm_slab(uk, MC, single_bytes, p0 * uk.mr, std::min(M, p1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
+      gemm_slab(uk, MC, single_bytes, u0 * uk.mr, std::min(M, u1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
                 bias, relu, C, ldc);
     }
   });
