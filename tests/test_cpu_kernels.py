@@ -35,7 +35,7 @@ NC = 3072
 SINGLE_BLOCK_BYTES = {"avx512": 512 * 1024, "avx2+fma": 256 * 1024, "portable": 256 * 1024}  # gemm.cpp single_block_bytes
 MANY_ROWS_MIN_ROWS = 256  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
-PARALLEL_MIN_FLOPS = 4e6  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
+PARALLEL_MIN_FLOPS = 5e5  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
 
 # torch's own CPU feature detection decides which of our paths this machine must run.
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()

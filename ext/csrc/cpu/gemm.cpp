@@ -93,8 +93,11 @@ constexpr int64_t kMaxRowsForBInPlace = 128;
 
 // Below this many flops one thread finishes before a second one wakes up (a few
 // microseconds), so small products stay on the calling thread, as do calls made
-// from inside another parallel region (no nested oversubscription).
-constexpr double kParallelMinFlops = 4e6;
+// from inside another parallel region (no nested oversubscription). Measured
+// here (2 threads, bench.linear): 4e6 kept the 10-class heads (0.66 and 1.3
+// Mflop per product) on one thread; at 5e5 their forward takes 13 -> 10-11 us
+// (128x256->10) and 21 -> 16 us (128x512->10), torch 11 and 16.
+constexpr double kParallelMinFlops = 5e5;
 
 CpuPath g_active_path = best_cpu_path();
 
