@@ -311,6 +311,23 @@ def test_bit_identical_across_runs_and_thread_counts(dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
+def test_dx_and_dw_run_side_by_side_on_two_threads(fn):
+    input, weight, bias = (t.requires_grad_() for t in make_operands(64, 48, 40, torch.float32))
+    threads = torch.get_num_threads()
+    try:
+        for num_threads, expected_threads in ((2, 2), (1, 1)):
+            torch.set_num_threads(num_threads)
+            output = fn(input, weight, bias)
+            with torch.profiler.profile() as profile:
+                output.backward(torch.ones_like(output))
+            ran_on = {event.thread for event in profile.events()
+                      if event.name in ("ext::linear_backward_input", "ext::linear_backward_weight")}
+            assert len(ran_on) == expected_threads
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---- errors: one clear message per mistake ----
 
 def _floats(*shapes, dtype=torch.float32):

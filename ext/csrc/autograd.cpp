@@ -7,7 +7,10 @@
 // The backward computes only the gradients autograd asks for and saves only the
 // operands they need (dX needs W, dW needs X). With create_graph it builds the
 // gradients from differentiable ops (ext::linear itself), so double backward works.
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -52,6 +55,24 @@ at::Tensor backward_bias(const at::Tensor& grad_output) {
 
 enum Input { kInput, kWeight, kBias };
 
+// dX = dY·W and dW = dYᵀ·X cost the same; on a 2-thread CPU they run side by side, one
+// per thread, rather than one after the other with each split over both threads: no
+// fork-join per product, and each thread keeps its operands in its own caches.
+// Measured here (2 threads, backward of ext.linear, ms, one after the other -> side by
+// side): 128x784->256 0.377 -> 0.354, 128x256->256 0.140 -> 0.135, 512x256->256
+// 0.502 -> 0.458, 1024^3 12.57 -> 12.52. With more threads each product spreads over all of them.
+// Only for plain CPU tensors: fake tensors and Python dispatch modes (torch.compile's
+// tracing, TorchDispatchMode) stay on the thread that set them up.
+bool side_by_side(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight) {
+  static const c10::DispatchKeySet plain_cpu_keys =
+      c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
+  auto plain_cpu = [](const at::Tensor& t) { return plain_cpu_keys.isSupersetOf(t.key_set()); };
+  return plain_cpu(grad_output) && plain_cpu(input) && plain_cpu(weight) &&
+         c10::impl::TorchDispatchModeTLS::stack_len() == 0 && at::get_num_threads() == 2 &&
+         !at::in_parallel_region();
+}
+
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
@@ -88,9 +109,23 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       if (ctx->needs_input_grad(kWeight)) grad_weight = linear_op(false).call(grad_output.t(), input.t(), {});
       if (needs_grad_bias) grad_bias = grad_output.sum(0);
     } else {
-      if (ctx->needs_input_grad(kInput)) grad_input = backward_input(grad_output, weight);
-      if (ctx->needs_input_grad(kWeight)) grad_weight = backward_weight(grad_output, input);
-      if (needs_grad_bias) grad_bias = backward_bias(grad_output);
+      const bool needs_input = ctx->needs_input_grad(kInput), needs_weight = ctx->needs_input_grad(kWeight);
+      auto operand_grads = [&](int64_t which) {
+        if (which == 0 && needs_input) grad_input = backward_input(grad_output, weight);
+        if (which == 1 && needs_weight) grad_weight = backward_weight(grad_output, input);
+        if (which == 1 && needs_grad_bias) grad_bias = backward_bias(grad_output);
+      };
+      if (needs_input && needs_weight && side_by_side(grad_output, input, weight)) {
+        // Each task runs with this thread's dispatcher state (autograd off, modes, profiler).
+        const at::ThreadLocalState state;
+        at::parallel_for(0, 2, 1, [&](int64_t first, int64_t last) {
+          const at::ThreadLocalStateGuard same_state(state);
+          for (int64_t which = first; which < last; ++which) operand_grads(which);
+        });
+      } else {
+        operand_grads(0);
+        operand_grads(1);
+      }
     }
     return {grad_input, grad_weight, grad_bias, at::Tensor()};  // nothing for the relu flag
   }
