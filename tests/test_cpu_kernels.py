@@ -35,6 +35,8 @@ NC = 3072
 SINGLE_BLOCK_BYTES = {"avx512": 512 * 1024, "avx2+fma": 256 * 1024, "portable": 256 * 1024}  # gemm.cpp single_block_bytes
 MANY_ROWS_MIN_ROWS = 256  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
+# Both operands read in place and B's block at most this many bytes: row tiles run outermost (gemm.cpp)
+ROWS_OUTER_MAX_B_BYTES = 48 * 1024 // 2
 PARALLEL_MIN_FLOPS = 5e5  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
 
 # torch's own CPU feature detection decides which of our paths this machine must run.
@@ -126,6 +128,9 @@ def boundary_shapes(path, dtype):
     shapes += [(MANY_ROWS_MIN_ROWS + 1, n, 5) for n in (many_nr - 1, many_nr, many_nr + lanes + 1, NC + 1)]
     shapes += [(MANY_ROWS_MIN_ROWS + many_mr + 1, many_nr + v * lanes, k)
                for v in range(1, many_nr // lanes) for k in (kc, 2 * kc + 1)]
+    # dX of a 10-class head (its K = 10): B's block (10 x in) on each side of the bytes that run row tiles outermost.
+    rows_outer_max_cols = ROWS_OUTER_MAX_B_BYTES // (10 * dtype.itemsize)
+    shapes += [(m, 10, k) for m in (mr + 1, B_IN_PLACE_MAX_ROWS) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
     return shapes
 
 
