@@ -56,10 +56,31 @@ void tile(const TileArgs<typename Simd::T>& t) {
     }
   }
 
+  // Every loop over the tile's rows and vectors is unrolled by pragma, early
+  // enough for GCC to keep acc in registers from start to end. Without it GCC
+  // 12 kept acc as a stack array, loaded into registers around the k loop and
+  // stored back after it (202 zmm stack accesses in the 8x48 tile, 12 with):
+  // per tile, 72 extra memory operations that shallow products pay. Measured
+  // (1 thread, interleaved with torch): dX 128x256->10 7.6 -> 6.9 us, 128x512->10
+  // 13.0 -> 11.7 us, dW of the 10-class head (10x256, K = 128) 8.1 -> 6.9 us,
+  // dW 128x256->256 96.2 -> 94.3 us; 1024^3 unchanged.
   V acc[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v)
-      acc[i][v] = t.accumulate ? load<Simd>(c + i * ldc + v * W) : bias ? load<Simd>(bias + v * W) : V{};
+  if (t.accumulate) {
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) acc[i][v] = load<Simd>(c + i * ldc + v * W);
+  } else if (bias) {
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) acc[i][v] = load<Simd>(bias + v * W);
+  } else {
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) acc[i][v] = V{};
+  }
 
   const T* a = t.a;
   const T* b = t.b;
@@ -68,9 +89,12 @@ void tile(const TileArgs<typename Simd::T>& t) {
 #pragma GCC unroll 4
   for (int64_t k = 0; k < t.kc; ++k) {
     V b_row[NV];
+    _Pragma("GCC unroll 16")
     for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(b + v * W);
+    _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
       const V a_value = Simd::broadcast(a[i * a_row_stride]);
+      _Pragma("GCC unroll 16")
       for (int v = 0; v < NV; ++v) acc[i][v] = Simd::fma(a_value, b_row[v], acc[i][v]);
     }
     a += a_k_stride;
@@ -78,9 +102,13 @@ void tile(const TileArgs<typename Simd::T>& t) {
   }
 
   if (t.relu)
+    _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 16")
       for (int v = 0; v < NV; ++v) acc[i][v] = acc[i][v] < V{} ? V{} : acc[i][v];  // NaN stays NaN, as in torch.relu
+  _Pragma("GCC unroll 16")
   for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 16")
     for (int v = 0; v < NV; ++v) store<Simd>(c + i * ldc + v * W, acc[i][v]);
 
   if (!full)
