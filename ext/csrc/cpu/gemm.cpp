@@ -105,14 +105,23 @@ constexpr double kParallelMinFlops = 5e5;
 
 CpuPath g_active_path = best_cpu_path();
 
+// Each path's table of tile and packing functions, built on the path's first use
+// (not at load: the AVX-512 file may not run on this CPU), then shared by every call.
 template <typename T>
-Microkernels<T> microkernels(CpuPath path) {
+const Microkernels<T>& microkernels(CpuPath path) {
   switch (path) {
-    case CpuPath::Avx512: return avx512_microkernels<T>();
-    case CpuPath::Avx2Fma: return avx2_microkernels<T>();
+    case CpuPath::Avx512: {
+      static const Microkernels<T> table = avx512_microkernels<T>();
+      return table;
+    }
+    case CpuPath::Avx2Fma: {
+      static const Microkernels<T> table = avx2_microkernels<T>();
+      return table;
+    }
     case CpuPath::Portable: break;
   }
-  return portable_microkernels<T>();
+  static const Microkernels<T> table = portable_microkernels<T>();
+  return table;
 }
 
 // Per-thread packing buffer, 64-byte aligned, grown on demand and reused
@@ -175,7 +184,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // tile, so it must stay in L2: half of L2 at most, and no row stride of a
   // whole 4 KiB page, which maps every row to the same few cache sets (dX of
   // 128x2048->1000 read W in place ran 2x slower).
-  const bool b_block_stays_in_l2 = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T)) <= kL2Bytes / 2 &&
+  const int64_t b_block_bytes = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T));
+  const bool b_block_stays_in_l2 = b_block_bytes <= kL2Bytes / 2 &&
                                    b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
   const bool read_b_in_place = b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
   // With a single A block, each B micro-panel is packed into one reused
@@ -192,8 +202,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // interleaved with torch): dX 128x256->10 8.3 -> 7.6-7.7 us, 128x512->10
   // 13.7 -> 13.0-13.3 us (torch 5.5 and 9.7-10.3); prefetching the next
   // column panel's C in this order was slower (8.1 us).
-  const bool rows_outer = read_a_in_place && read_b_in_place && m1 - m0 <= MC &&
-                          std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T)) <= kL1dBytes / 2;
+  const bool rows_outer = read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= kL1dBytes / 2;
   T* packed_b = t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   T* packed_a = t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
   TileArgs<T> tile{};
@@ -344,8 +353,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
           const T* bias, bool relu, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return fill_bias(M, N, bias, relu, C, ldc);
-  const Microkernels<T> kernels = microkernels<T>(g_active_path);
-  const Microkernel<T> uk = N <= kernels.narrow.nr ? kernels.narrow
+  const Microkernels<T>& kernels = microkernels<T>(g_active_path);
+  const Microkernel<T>& uk = N <= kernels.narrow.nr ? kernels.narrow
                             : M >= kManyRowsMinRows ? kernels.many_rows
                                                     : kernels.wide;
   const int64_t MC = block_rows(g_active_path), single_bytes = single_block_bytes(g_active_path);
