@@ -7,9 +7,10 @@
 // The backward computes only the gradients autograd asks for and saves only the
 // operands they need (dX needs W, dW needs X). With create_graph it builds the
 // gradients from differentiable ops (ext::linear itself), so double backward works.
+#include "op_handles.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
@@ -22,37 +23,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
-
-const c10::TypedOperatorHandle<LinearSignature>& linear_op(bool relu) {
-  static const auto plain =
-      c10::Dispatcher::singleton().findSchemaOrThrow("ext::linear", "").typed<LinearSignature>();
-  static const auto fused =
-      c10::Dispatcher::singleton().findSchemaOrThrow("ext::linear_relu", "").typed<LinearSignature>();
-  return relu ? fused : plain;
-}
-
-at::Tensor backward_input(const at::Tensor& grad_output, const at::Tensor& weight) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("ext::linear_backward_input", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(grad_output, weight);
-}
-
-at::Tensor backward_weight(const at::Tensor& grad_output, const at::Tensor& input) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("ext::linear_backward_weight", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(grad_output, input);
-}
-
-at::Tensor backward_bias(const at::Tensor& grad_output) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("ext::linear_backward_bias", "")
-                             .typed<at::Tensor(const at::Tensor&)>();
-  return op.call(grad_output);
-}
-
 enum Input { kInput, kWeight, kBias };
 
 // dX = dY·W and dW = dYᵀ·X cost the same; on a 2-thread CPU they run side by side, one
@@ -80,7 +50,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     at::Tensor output;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      output = linear_op(relu).call(input, weight, bias);
+      output = handles::linear(relu).call(input, weight, bias);
     }
     // Undefined slots save nothing: dX needs only W, dW only X, and ReLU's mask is the output.
     // (needs_input_grad is not usable here: with no input requiring grad the node has no edges.)
@@ -105,15 +75,15 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const bool needs_grad_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(kBias);
     if (at::GradMode::is_enabled()) {
       // create_graph: the same products through ext::linear, which records its own backward.
-      if (ctx->needs_input_grad(kInput)) grad_input = linear_op(false).call(grad_output, weight.t(), {});
-      if (ctx->needs_input_grad(kWeight)) grad_weight = linear_op(false).call(grad_output.t(), input.t(), {});
+      if (ctx->needs_input_grad(kInput)) grad_input = handles::linear(false).call(grad_output, weight.t(), {});
+      if (ctx->needs_input_grad(kWeight)) grad_weight = handles::linear(false).call(grad_output.t(), input.t(), {});
       if (needs_grad_bias) grad_bias = grad_output.sum(0);
     } else {
       const bool needs_input = ctx->needs_input_grad(kInput), needs_weight = ctx->needs_input_grad(kWeight);
       auto operand_grads = [&](int64_t which) {
-        if (which == 0 && needs_input) grad_input = backward_input(grad_output, weight);
-        if (which == 1 && needs_weight) grad_weight = backward_weight(grad_output, input);
-        if (which == 1 && needs_grad_bias) grad_bias = backward_bias(grad_output);
+        if (which == 0 && needs_input) grad_input = handles::backward_input().call(grad_output, weight);
+        if (which == 1 && needs_weight) grad_weight = handles::backward_weight().call(grad_output, input);
+        if (which == 1 && needs_grad_bias) grad_bias = handles::backward_bias().call(grad_output);
       };
       if (needs_input && needs_weight && side_by_side(grad_output, input, weight)) {
         // Each task runs with this thread's dispatcher state (autograd off, modes, profiler).

@@ -2,10 +2,10 @@
 // CUDA kernels attach to the same schemas in cuda/linear_cuda.cu.
 #include "checks.h"
 #include "cpu/gemm.h"
+#include "op_handles.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -105,10 +105,7 @@ template <bool kRelu>
 at::Tensor linear_autocast_cpu(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow(kRelu ? "ext::linear_relu" : "ext::linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  const auto& op = handles::linear(kRelu);
   return op.call(at::autocast::cached_cast(at::kFloat, input, c10::DeviceType::CPU),
                  at::autocast::cached_cast(at::kFloat, weight, c10::DeviceType::CPU),
                  at::autocast::cached_cast(at::kFloat, bias, c10::DeviceType::CPU));

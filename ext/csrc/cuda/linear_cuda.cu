@@ -1,11 +1,11 @@
 // The CUDA kernels of the five tensor ops (schemas in ../ops.cpp), and their
 // autocast rule. The kernels themselves live in gemm.cuh and sum_rows.cuh.
 #include "../checks.h"
+#include "../op_handles.h"
 #include "gemm.cuh"
 #include "sum_rows.cuh"
 
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAException.h>
@@ -125,10 +125,7 @@ at::Tensor linear_backward_bias_cuda(const at::Tensor& grad_output) {
 template <bool kRelu>
 at::Tensor linear_autocast(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow(kRelu ? "ext::linear_relu" : "ext::linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  const auto& op = handles::linear(kRelu);
   const auto dtype = at::autocast::get_autocast_dtype(at::kCUDA);
   return op.call(at::autocast::cached_cast(dtype, input, c10::DeviceType::CUDA),
                  at::autocast::cached_cast(dtype, weight, c10::DeviceType::CUDA),
