@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ext  # noqa: F401  (loads the ops)
+from conftest import num_threads
 
 ops = torch.ops.ext
 
@@ -57,16 +58,6 @@ def cpu_path(name):
         yield
     finally:
         ops.set_cpu_path(previous)
-
-
-@contextlib.contextmanager
-def num_threads(count):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def make(rows, cols, dtype, layout, seed):

@@ -12,6 +12,7 @@ from hypothesis import given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ext
+from conftest import num_threads
 
 # Sizes around every tile/block edge the CPU kernels may use (MR=6, NR=16, MC=72/144,
 # KC=256/384, powers of two), plus 1 and primes.
@@ -300,32 +301,23 @@ def test_bit_identical_across_runs_and_thread_counts(dtype):
     input, weight, bias = make_operands(129, 65, 385, dtype)
     grad_output = torch.randn(129, 65, dtype=dtype)
     first = forward_and_grads(ext.linear, input, weight, bias, grad_output)
-    threads = torch.get_num_threads()
-    try:
-        for num_threads in (threads, 1):
-            torch.set_num_threads(num_threads)
+    for count in (torch.get_num_threads(), 1):
+        with num_threads(count):
             again = forward_and_grads(ext.linear, input, weight, bias, grad_output)
-            assert torch.equal(again[0], first[0])
-            assert all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
-    finally:
-        torch.set_num_threads(threads)
+        assert torch.equal(again[0], first[0])
+        assert all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
 
 
 @pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
 def test_dx_and_dw_run_side_by_side_on_two_threads(fn):
     input, weight, bias = (t.requires_grad_() for t in make_operands(64, 48, 40, torch.float32))
-    threads = torch.get_num_threads()
-    try:
-        for num_threads, expected_threads in ((2, 2), (1, 1)):
-            torch.set_num_threads(num_threads)
+    for count, expected_threads in ((2, 2), (1, 1)):
+        with num_threads(count), torch.profiler.profile() as profile:
             output = fn(input, weight, bias)
-            with torch.profiler.profile() as profile:
-                output.backward(torch.ones_like(output))
-            ran_on = {event.thread for event in profile.events()
-                      if event.name in ("ext::linear_backward_input", "ext::linear_backward_weight")}
-            assert len(ran_on) == expected_threads
-    finally:
-        torch.set_num_threads(threads)
+            output.backward(torch.ones_like(output))
+        ran_on = {event.thread for event in profile.events()
+                  if event.name in ("ext::linear_backward_input", "ext::linear_backward_weight")}
+        assert len(ran_on) == expected_threads
 
 
 # ---- errors: one clear message per mistake ----
