@@ -235,6 +235,21 @@ def test_sum_rows_over_many_columns(layout):
             assert torch.equal(ops.linear_backward_bias(dy.float()), single)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_sum_rows_adds_each_column_in_row_order_on_every_path(path, dtype):
+    # Each path sums blocks of 4 vectors of columns, then single vectors, then a scalar tail;
+    # every column must still add its rows in order: bit-identical to a sequential sum.
+    lanes = LANES[path, dtype]
+    for n in sorted({1, lanes - 1, lanes, lanes + 1, 4 * lanes - 1, 4 * lanes, 4 * lanes + 1, 9 * lanes + 3} - {0}):
+        dy = make(37, n, dtype, "contiguous", n)
+        expected = torch.zeros(n, dtype=dtype)
+        for row in dy:
+            expected += row
+        with cpu_path(path):
+            assert torch.equal(ops.linear_backward_bias(dy), expected), f"{path}: N={n}"
+
+
 def test_set_cpu_path_names_the_active_path():
     for path in PATHS:
         with cpu_path(path):

@@ -382,21 +382,17 @@ void gemm(int64_t M, int64_t N, int64_t K,
   });
 }
 
-// Adds the rows of A into out. Along contiguous rows the inner loop runs over
-// columns (vectorised, one accumulator per column); otherwise each column is a
+// Adds the rows of A into out. Along contiguous rows the path's vector kernel
+// sums blocks of columns held in registers; otherwise each column is a
 // contiguous run summed in place. Either way each out[n] adds its M values in
 // row order, independent of threads.
 template <typename T>
 void sum_rows(int64_t M, int64_t N, const T* A, int64_t a_rs, int64_t a_cs, T* out) {
-  constexpr int64_t kColumnsPerTask = 1024;  // 4-8 KiB of accumulators: L1-resident
+  constexpr int64_t kColumnsPerTask = 1024;
   const int64_t grain = M * N < 65536 ? N : kColumnsPerTask;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     if (a_cs == 1) {
-      std::fill(out + n0, out + n1, T(0));
-      for (int64_t m = 0; m < M; ++m) {
-        const T* row = A + m * a_rs;
-        for (int64_t n = n0; n < n1; ++n) out[n] += row[n];
-      }
+      microkernels<T>(g_active_path).sum_rows(A + n0, a_rs, M, n1 - n0, out + n0);
     } else {
       for (int64_t n = n0; n < n1; ++n) {
         T sum = 0;

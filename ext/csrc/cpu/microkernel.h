@@ -72,6 +72,9 @@ struct Microkernel {
 template <typename T>
 struct Microkernels {
   Microkernel<T> wide, narrow, many_rows;
+  // out[n] = sum over r of a[r * row_stride + n] for n < cols (contiguous rows,
+  // db's reduction), each column adding its rows in order.
+  void (*sum_rows)(const T* a, int64_t row_stride, int64_t rows, int64_t cols, T* out);
 };
 
 template <typename T> Microkernels<T> portable_microkernels();
