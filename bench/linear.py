@@ -7,8 +7,13 @@ that a busy moment on the machine hits both. It prints times, GFLOP/s, the ratio
 torch/ext (above 1: ext is faster) and ext's share of this machine's FMA peak,
 measured by the extension itself; then geometric means of the ratios.
 
+With --products it times instead each product of a training step alone, through
+the raw ops (no autograd): the forward Y = X·Wᵀ + b, dX = dY·W, dW = dYᵀ·X and
+db = the sum of dY's rows, against the torch calls that compute the same.
+
 Example:
     python -m bench.linear --threads all,1 --markdown bench_linear.md
+    python -m bench.linear --products --threads 1 --shapes '128x784->256'
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ CUDA_EXTRA_SHAPES = [(4096, 4096, 4096)]
 # Flops per pass, in units of M*N*K multiply-adds (2 flops each): the forward is
 # one product, the backward two (dX and dW; db is a sum, negligible).
 PASSES = {"forward": 2, "backward": 4, "fwd+bwd": 6}
+# The same for each product alone (--products); db is no GEMM, so it gets no GFLOP/s.
+PRODUCTS = {"forward": 2, "dX": 2, "dW": 2, "db": 0}
+FLOPS_PER_MNK = {**PASSES, **PRODUCTS}
 
 
 @dataclass
@@ -52,7 +60,7 @@ class Row:
     @property
     def flops(self) -> float:
         m, k, n = self.shape
-        return PASSES[self.pass_name] * m * n * k
+        return FLOPS_PER_MNK[self.pass_name] * m * n * k
 
     @property
     def ratio(self) -> float:
@@ -63,9 +71,10 @@ class Row:
 
     def cells(self) -> list[str]:
         m, k, n = self.shape
-        peak = f"{100 * self.gflops(self.ext_s) / self.peak_gflops:.0f}%" if self.peak_gflops else "-"
+        gflops = [f"{self.gflops(s):.0f}" if self.flops else "-" for s in (self.torch_s, self.ext_s)]
+        peak = f"{100 * self.gflops(self.ext_s) / self.peak_gflops:.0f}%" if self.peak_gflops and self.flops else "-"
         return [f"{m}x{k}->{n}", self.pass_name, f"{self.torch_s * 1e3:.3f}", f"{self.ext_s * 1e3:.3f}",
-                f"{self.gflops(self.torch_s):.0f}", f"{self.gflops(self.ext_s):.0f}", f"{self.ratio:.2f}", peak]
+                *gflops, f"{self.ratio:.2f}", peak]
 
 
 HEADER = ["shape (batch x in->out)", "pass", "torch ms", "ext ms", "torch GFLOP/s", "ext GFLOP/s",
@@ -82,6 +91,18 @@ def make_statements(linear, x, w, b, dy):
     }
 
 
+def make_product_statements(x, w, b, dy):
+    """The four products of a training step alone, {name: (torch's call, ext's call)}."""
+    x, w, b = x.detach(), w.detach(), b.detach()
+    ops = torch.ops.ext
+    return {
+        "forward": (lambda: F.linear(x, w, b), lambda: ops.linear(x, w, b)),
+        "dX": (lambda: torch.mm(dy, w), lambda: ops.linear_backward_input(dy, w)),
+        "dW": (lambda: torch.mm(dy.t(), x), lambda: ops.linear_backward_weight(dy, x)),
+        "db": (lambda: dy.sum(0), lambda: ops.linear_backward_bias(dy)),
+    }
+
+
 def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> dict[str, float]:
     """Median seconds per call of each statement, measured in alternating rounds."""
     samples = {name: [] for name in statements}
@@ -93,17 +114,21 @@ def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> di
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds) -> list[Row]:
+def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds, products=False) -> list[Row]:
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=gen, requires_grad=True)
     w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).requires_grad_()
     b = torch.randn(n, device=device, generator=gen, requires_grad=True)
     dy = torch.randn(m, n, device=device, generator=gen)
-    impls = {"torch": make_statements(F.linear, x, w, b, dy), "ext": make_statements(ext.linear, x, w, b, dy)}
+    if products:
+        pairs = make_product_statements(x, w, b, dy)
+    else:
+        torch_calls, ext_calls = make_statements(F.linear, x, w, b, dy), make_statements(ext.linear, x, w, b, dy)
+        pairs = {pass_name: (torch_calls[pass_name], ext_calls[pass_name]) for pass_name in PASSES}
     rows = []
-    for pass_name in PASSES:
-        medians = time_interleaved({name: impls[name][pass_name] for name in impls}, min_run_time_s, rounds)
+    for pass_name, (torch_call, ext_call) in pairs.items():
+        medians = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
         rows.append(Row(device, threads_label, shape, pass_name, medians["torch"], medians["ext"], peak_gflops))
     return rows
 
@@ -115,7 +140,7 @@ def geomean(values) -> float:
 
 def summary_lines(rows: list[Row]) -> list[str]:
     lines = []
-    for pass_name in PASSES:
+    for pass_name in dict.fromkeys(r.pass_name for r in rows):
         ratios = [r.ratio for r in rows if r.pass_name == pass_name]
         mlp = [r.ratio for r in rows if r.pass_name == pass_name and r.shape in MLP_SHAPES]
         text = f"geomean torch/ext, {pass_name}: all shapes {geomean(ratios):.2f}"
@@ -160,6 +185,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="all,1", help="comma-separated thread counts; 'all' = every core")
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
+    parser.add_argument("--products", action="store_true",
+                        help="time the forward, dX, dW and db products alone (raw ops, no autograd)")
     parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '128x256->10,512x784->256'")
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
@@ -182,7 +209,7 @@ def main(argv=None) -> None:
         print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
         rows = []
         for shape in shapes:
-            shape_rows = bench_shape(shape, "cpu", str(count), peak, min_run_time_s, rounds)
+            shape_rows = bench_shape(shape, "cpu", str(count), peak, min_run_time_s, rounds, args.products)
             print(format_text(shape_rows), flush=True)
             rows += shape_rows
         summary = summary_lines(rows)
@@ -194,7 +221,7 @@ def main(argv=None) -> None:
         title = f"CUDA, {torch.cuda.get_device_name()} (vs cuBLAS)"
         print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
         rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
-                for row in bench_shape(shape, "cuda", "-", None, min_run_time_s, rounds)]
+                for row in bench_shape(shape, "cuda", "-", None, min_run_time_s, rounds, args.products)]
         print(format_text(rows))
         summary = summary_lines(rows)
         print("\n".join(summary))

@@ -23,3 +23,16 @@ def test_bench_prints_every_pass_and_writes_markdown(tmp_path, capsys):
     assert "geomean torch/ext, fwd+bwd" in shown
     written = markdown.read_text()
     assert "| 8x12->5 |" in written and "### CPU, 1 thread" in written
+
+
+def test_products_mode_times_each_product_alone(capsys):
+    bench_linear.main(["--products", "--threads", "1", "--shapes", "8x12->5", "--min-run-time", "0.001",
+                       "--rounds", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    for product in ("forward", "dX", "dW", "db"):
+        row = next(line.split() for line in lines if line.split()[:2] == ["8x12->5", product])
+        assert float(row[2]) > 0 and float(row[3]) > 0  # torch ms, ext ms
+        if product == "db":
+            assert row[4:6] == ["-", "-"] and row[7] == "-"  # a sum: no GFLOP/s, no % of peak
+    assert "geomean torch/ext, dW: all shapes" in "\n".join(lines)
+    assert not any(line.split()[1:2] == ["fwd+bwd"] for line in lines if line.strip())
