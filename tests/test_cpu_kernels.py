@@ -16,7 +16,7 @@ ops = torch.ops.ext
 # The kernels' block sizes, written down once here. Source of truth: the
 # microkernel_<path>.cpp files (wide, narrow and many-rows MR x NR register
 # tiles; the narrow one runs when N <= its NR, the many-rows one when
-# M >= MANY_ROWS_MIN_ROWS) and gemm.cpp (kKC, kMCAvx512/kMCAvx2/kMCPortable, kNC).
+# M >= MANY_ROWS_MIN_ROWS) and gemm.cpp (kKC, kMaxSingleKBlock, kMCAvx512/kMCAvx2/kMCPortable, kNC).
 TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow, (MR, NR) many rows)
     ("avx512", torch.float32): ((8, 48), (8, 16), (6, 64)),
     ("avx512", torch.float64): ((8, 16), (8, 8), (8, 16)),
@@ -31,6 +31,8 @@ LANES = {  # values per vector: a wide tile's ragged last column panel runs whol
     ("portable", torch.float32): 4, ("portable", torch.float64): 2,
 }
 KC = {torch.float32: 512, torch.float64: 256}
+# Up to this K the whole depth is one block; deeper K runs in blocks of KC (gemm.cpp kMaxSingleKBlock).
+MAX_SINGLE_K_BLOCK = {torch.float32: 800, torch.float64: 400}
 MC = {"avx512": 240, "avx2+fma": 120, "portable": 120}  # rows of a packed A block, per path
 NC = 3072
 SINGLE_BLOCK_BYTES = {"avx512": 512 * 1024, "avx2+fma": 256 * 1024, "portable": 256 * 1024}  # gemm.cpp single_block_bytes
@@ -89,16 +91,18 @@ def assert_close(actual, expected, dtype, depth):
 
 
 def boundary_shapes(path, dtype):
-    """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC and NC,
+    """(M, N, K) products whose sizes sit on, just below and just above MR, NR, MC, KC, the
+    deepest single K block and NC,
     on each side of the row count where a row-major B stops being read in place, and of the
     one where the many-rows tile takes over; ragged last column panels of every vector count."""
     (mr, nr), (narrow_mr, narrow_nr), (many_mr, many_nr) = TILES[path, dtype]
     kc, mc, lanes = KC[dtype], MC[path], LANES[path, dtype]
-    shapes = [(m, nr + 1, kc + 1) for m in (1, mr - 1, mr, mr + 1, mc - 1, mc, mc + 1)]
-    shapes += [(m, nr + 1, kc + 1) for m in (B_IN_PLACE_MAX_ROWS, B_IN_PLACE_MAX_ROWS + 1)]
-    shapes += [(narrow_mr + 1, narrow_nr, kc + 1)]  # narrow tile, full
+    two_k_blocks = MAX_SINGLE_K_BLOCK[dtype] + 1  # the shallowest K that runs in two blocks (KC + a ragged rest)
+    shapes = [(m, nr + 1, two_k_blocks) for m in (1, mr - 1, mr, mr + 1, mc - 1, mc, mc + 1)]
+    shapes += [(m, nr + 1, two_k_blocks) for m in (B_IN_PLACE_MAX_ROWS, B_IN_PLACE_MAX_ROWS + 1)]
+    shapes += [(narrow_mr + 1, narrow_nr, two_k_blocks)]  # narrow tile, full
     shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
-    shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, 2 * kc + 1)]
+    shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, two_k_blocks - 1, two_k_blocks, 2 * kc + 1)]
     shapes.append((mc + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
     # Rows that fit in SINGLE_BLOCK_BYTES at depth min(K, KC) make one A block; one more, MC-row blocks.
     for k in (kc // 2, kc):
@@ -106,14 +110,14 @@ def boundary_shapes(path, dtype):
         shapes += [(m, nr + 1, k) for m in (mc + 1, single_block_rows, single_block_rows + 1)]
     # Ragged last row panels run tiles of about MR / 2 and MR / 4 rows: each of those, and one more.
     row_variants = sorted({(mr + 1) // 2, (mr + 3) // 4})
-    shapes += [(mr + r, nr + 1, kc + 1) for v in row_variants for r in (v, v + 1)]
+    shapes += [(mr + r, nr + 1, two_k_blocks) for v in row_variants for r in (v, v + 1)]
     first_many = -(-MANY_ROWS_MIN_ROWS // many_mr) * many_mr
-    shapes += [(first_many + r, many_nr + 1, kc + 1) for v in sorted({(many_mr + 1) // 2, (many_mr + 3) // 4})
+    shapes += [(first_many + r, many_nr + 1, two_k_blocks) for v in sorted({(many_mr + 1) // 2, (many_mr + 3) // 4})
                for r in (v, v + 1)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
-    shapes += [(mr + 1, nr + v * lanes + extra, kc + 1) for v in range(1, nr // lanes) for extra in (0, 1)]
+    shapes += [(mr + 1, nr + v * lanes + extra, two_k_blocks) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.
-    shapes += [(m, many_nr + 1, kc + 1) for m in (MANY_ROWS_MIN_ROWS - 1, MANY_ROWS_MIN_ROWS,
+    shapes += [(m, many_nr + 1, two_k_blocks) for m in (MANY_ROWS_MIN_ROWS - 1, MANY_ROWS_MIN_ROWS,
                                                  MANY_ROWS_MIN_ROWS + 1, MANY_ROWS_MIN_ROWS + many_mr - 1,
                                                  2 * mc - 1, 2 * mc + 1)]
     shapes += [(MANY_ROWS_MIN_ROWS + 1, n, 5) for n in (many_nr - 1, many_nr, many_nr + lanes + 1, NC + 1)]
@@ -149,8 +153,8 @@ def test_strided_and_transposed_operands(path, dtype):
     (mr, nr), _, (many_mr, _) = TILES[path, dtype]
     # Ragged in every dimension, on the wide tile, then on the many-rows one (M and,
     # for dW, N of at least MANY_ROWS_MIN_ROWS).
-    shapes = [(2 * mr + 1, nr + 3, KC[dtype] + 9),
-              (MANY_ROWS_MIN_ROWS + 2 * many_mr + 1, MANY_ROWS_MIN_ROWS + 3, KC[dtype] + 9)]
+    shapes = [(2 * mr + 1, nr + 3, MAX_SINGLE_K_BLOCK[dtype] + 9),
+              (MANY_ROWS_MIN_ROWS + 2 * many_mr + 1, MANY_ROWS_MIN_ROWS + 3, MAX_SINGLE_K_BLOCK[dtype] + 9)]
     with cpu_path(path):
         for (m, n, k), x_layout, w_layout in itertools.product(shapes, LAYOUTS, LAYOUTS):
             x, w = make(m, k, dtype, x_layout, 1), make(n, k, dtype, w_layout, 2)

@@ -43,6 +43,15 @@ constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
 template <typename T>
 constexpr int64_t kKC = 2048 / sizeof(T);
 static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
+// Up to this depth all of K is one block, though deeper than KC: K = 784 (an
+// MNIST image) in blocks of 512 + 272 stores and reloads every C tile for a
+// short second block. Measured here (forward, ms, interleaved with torch, two
+// runs each, 1 thread / 2 threads): 128x784->256 0.296-0.298 -> 0.291-0.295,
+// 0.159-0.164 -> 0.155-0.157; 512x784->256 1.122-1.128 -> 1.096-1.113,
+// 0.582-0.590 -> 0.576-0.586. Deeper single blocks were slower (K = 1000 and
+// 1024 as one block: dX 128x2048->1000 and dW 1024^3 3-5% slower).
+template <typename T>
+constexpr int64_t kMaxSingleKBlock = 3200 / sizeof(T);
 
 // MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path, each a
 // multiple of its MR (8 on AVX-512, 6 on AVX2, 4 portable).
@@ -163,7 +172,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
                int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
                const T* bias, bool relu, T* C, int64_t ldc) {
-  const int64_t MR = uk.mr, NR = uk.nr, KC = kKC<T>;
+  const int64_t MR = uk.mr, NR = uk.nr, KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
   // packed per micro-panel (below). Measured (1 thread): dW 128x784->256 (256
