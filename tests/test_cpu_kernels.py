@@ -40,7 +40,7 @@ MANY_ROWS_MIN_ROWS = 256  # from this many rows of C the many-rows tile runs (ge
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 # Both operands read in place and B's block at most this many bytes: row tiles run outermost (gemm.cpp)
 ROWS_OUTER_MAX_B_BYTES = 48 * 1024 // 2
-PARALLEL_MIN_FLOPS = 5e5  # below this the GEMM runs on one thread (gemm.cpp kParallelMinFlops)
+PARALLEL_MIN_FLOPS = 5e5  # below this the GEMM runs on one thread (gemm.h kParallelMinFlops)
 
 # torch's own CPU feature detection decides which of our paths this machine must run.
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()

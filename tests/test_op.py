@@ -308,10 +308,14 @@ def test_bit_identical_across_runs_and_thread_counts(dtype):
         assert all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
 
 
+# (batch, out, in): each product is 2·batch·out·in flops, on either side of gemm.h's
+# kParallelMinFlops (5e5), below which dX and dW run one after the other.
+@pytest.mark.parametrize("shape, threads_used_of_two", [((128, 64, 64), 2), ((64, 48, 40), 1)],
+                         ids=["1.05 Mflop", "0.25 Mflop"])
 @pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
-def test_dx_and_dw_run_side_by_side_on_two_threads(fn):
-    input, weight, bias = (t.requires_grad_() for t in make_operands(64, 48, 40, torch.float32))
-    for count, expected_threads in ((2, 2), (1, 1)):
+def test_dx_and_dw_run_side_by_side_on_two_threads_when_big_enough(fn, shape, threads_used_of_two):
+    input, weight, bias = (t.requires_grad_() for t in make_operands(*shape, torch.float32))
+    for count, expected_threads in ((2, threads_used_of_two), (1, 1)):
         with num_threads(count), torch.profiler.profile() as profile:
             output = fn(input, weight, bias)
             output.backward(torch.ones_like(output))

@@ -7,6 +7,7 @@
 // The backward computes only the gradients autograd asks for and saves only the
 // operands they need (dX needs W, dW needs X). With create_graph it builds the
 // gradients from differentiable ops (ext::linear itself), so double backward works.
+#include "cpu/gemm.h"
 #include "op_handles.h"
 
 #include <ATen/Parallel.h>
@@ -32,15 +33,20 @@ enum Input { kInput, kWeight, kBias };
 // side): 128x784->256 0.377 -> 0.354, 128x256->256 0.140 -> 0.135, 512x256->256
 // 0.502 -> 0.458, 1024^3 12.57 -> 12.52. With more threads each product spreads over all of them.
 // Only for plain CPU tensors: fake tensors and Python dispatch modes (torch.compile's
-// tracing, TorchDispatchMode) stay on the thread that set them up.
+// tracing, TorchDispatchMode) stay on the thread that set them up. Products too small
+// to split over threads (cpu::kParallelMinFlops each) run one after the other: waking
+// the second thread costs more than it saves. Measured here (bench.linear, backward,
+// 2 threads, us, side by side -> one after the other): 8x8->8 27 -> 23, 64x64->10
+// 28 -> 25, 128x128->10 31 -> 29 (1 thread: 22-23, 24-25, 28-29).
 bool side_by_side(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight) {
   static const c10::DispatchKeySet plain_cpu_keys =
       c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
                            c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
   auto plain_cpu = [](const at::Tensor& t) { return plain_cpu_keys.isSupersetOf(t.key_set()); };
-  return plain_cpu(grad_output) && plain_cpu(input) && plain_cpu(weight) &&
-         c10::impl::TorchDispatchModeTLS::stack_len() == 0 && at::get_num_threads() == 2 &&
-         !at::in_parallel_region();
+  if (!plain_cpu(grad_output) || !plain_cpu(input) || !plain_cpu(weight)) return false;  // sizes may be symbolic
+  const double flops_per_product = 2.0 * grad_output.size(0) * weight.size(0) * weight.size(1);
+  return flops_per_product >= cpu::kParallelMinFlops && c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
+         at::get_num_threads() == 2 && !at::in_parallel_region();
 }
 
 class LinearFunction : public torch::autograd::Function<LinearFunction> {

@@ -104,14 +104,6 @@ constexpr int64_t kManyRowsMinRows = 256;
 // were ~4% slower in place, and reading dW's column-major A in place ~10% slower.
 constexpr int64_t kMaxRowsForBInPlace = 128;
 
-// Below this many flops one thread finishes before a second one wakes up (a few
-// microseconds), so small products stay on the calling thread, as do calls made
-// from inside another parallel region (no nested oversubscription). Measured
-// here (2 threads, bench.linear): 4e6 kept the 10-class heads (0.66 and 1.3
-// Mflop per product) on one thread; at 5e5 their forward takes 13 -> 10-11 us
-// (128x256->10) and 21 -> 16 us (128x512->10), torch 11 and 16.
-constexpr double kParallelMinFlops = 5e5;
-
 CpuPath g_active_path = best_cpu_path();
 
 // Each path's table of tile and packing functions, built on the path's first use
@@ -368,6 +360,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
                                                     : kernels.wide;
   const int64_t MC = block_rows(g_active_path), single_bytes = single_block_bytes(g_active_path);
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
+  // Small products, and calls from inside another parallel region (no nested
+  // oversubscription), stay on the calling thread.
   const bool small = 2.0 * M * N * K < kParallelMinFlops;
   const int64_t threads = small || at::in_parallel_region() ? 1 : at::get_num_threads();
   // Split the wider side: each slab re-packs the other operand's part, so split

@@ -15,6 +15,14 @@ namespace ext::cpu {
 // With relu set, C = max(C, 0) is applied in the same store (fused epilogue).
 // Results are bit-identical from run to run and for any thread count: work is
 // split over output tiles only, never over K.
+// Below this many flops (2·M·N·K) one thread finishes a product before a second
+// one wakes up (a few microseconds), so it stays on the calling thread; the
+// backward also runs dX and dW one after the other below it (autograd.cpp).
+// Measured here (2 threads, bench.linear): 4e6 kept the 10-class heads (0.66 and
+// 1.3 Mflop per product) on one thread; at 5e5 their forward takes 13 -> 10-11
+// us (128x256->10) and 21 -> 16 us (128x512->10), torch 11 and 16.
+constexpr double kParallelMinFlops = 5e5;
+
 template <typename T>
 void gemm(int64_t M, int64_t N, int64_t K,
           const T* A, int64_t a_row_stride, int64_t a_col_stride,
