@@ -54,8 +54,11 @@ _LINEAR_RELU = torch.ops.ext.linear_relu.default
 
 def _is_plain_2d(input, weight, bias) -> bool:
     """The shapes the 2-D op takes as they are: no flattening or broadcasting needed."""
-    return input.ndim == 2 and weight.ndim == 2 and (bias is None or (bias.ndim == 1 and
-                                                                       bias.shape[0] == weight.shape[0]))
+    try:
+        return input.ndim == 2 and weight.ndim == 2 and (bias is None or (bias.ndim == 1 and
+                                                                           bias.shape[0] == weight.shape[0]))
+    except AttributeError:  # not tensors: _apply says which
+        return False
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +90,10 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def _apply(op, input, weight, bias):
     """Adapts F.linear's other shapes to the 2-D op: flatten leading dims, call, restore."""
+    for name, value in (("input", input), ("weight", weight), ("bias", bias)):
+        if not isinstance(value, torch.Tensor) and not (name == "bias" and value is None):
+            expected = "a torch.Tensor or None" if name == "bias" else "a torch.Tensor"
+            raise TypeError(f"ext.linear: {name} must be {expected}, got {type(value).__name__}")
     if input.dim() == 0 or weight.dim() == 0:
         raise ValueError(f"ext.linear: input and weight must be at least 1-D, got shapes "
                          f"{tuple(input.shape)} and {tuple(weight.shape)}")
