@@ -49,7 +49,7 @@ static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
 // runs each, 1 thread / 2 threads): 128x784->256 0.296-0.298 -> 0.291-0.295,
 // 0.159-0.164 -> 0.155-0.157; 512x784->256 1.122-1.128 -> 1.096-1.113,
 // 0.582-0.590 -> 0.576-0.586. Deeper single blocks were slower (K = 1000 and
-// 1024 as one block: dX 128x2048->1000 and dW 1024^3 3-5% slower).
+// 1024 as one block: dX 128x2048->1000 and dW 1024^3 2-5% slower).
 template <typename T>
 constexpr int64_t kMaxSingleKBlock = 3200 / sizeof(T);
 

@@ -8,13 +8,6 @@
 
 namespace ext::cpu {
 
-// C (M x N, row-major, leading dimension ldc) = A (M x K) · B (K x N) + bias.
-// A and B are strided views: A[m, k] = A[m * a_row_stride + k * a col_stride],
-// so a transposed operand costs nothing (dW = dYᵀ·X packs straight from dY).
-// bias has N elements or is nullptr. C is overwritten, never read.
-// With relu set, C = max(C, 0) is applied in the same store (fused epilogue).
-// Results are bit-identical from run to run and for any thread count: work is
-// split over output tiles only, never over K.
 // Below this many flops (2·M·N·K) one thread finishes a product before a second
 // one wakes up (a few microseconds), so it stays on the calling thread; the
 // backward also runs dX and dW one after the other below it (autograd.cpp).
@@ -23,6 +16,13 @@ namespace ext::cpu {
 // us (128x256->10) and 21 -> 16 us (128x512->10), torch 11 and 16.
 constexpr double kParallelMinFlops = 5e5;
 
+// C (M x N, row-major, leading dimension ldc) = A (M x K) · B (K x N) + bias.
+// A and B are strided views: A[m, k] = A[m * a_row_stride + k * a col_stride],
+// so a transposed operand costs nothing (dW = dYᵀ·X packs straight from dY).
+// bias has N elements or is nullptr. C is overwritten, never read.
+// With relu set, C = max(C, 0) is applied in the same store (fused epilogue).
+// Results are bit-identical from run to run and for any thread count: work is
+// split over output tiles only, never over K.
 template <typename T>
 void gemm(int64_t M, int64_t N, int64_t K,
           const T* A, int64_t a_row_stride, int64_t a_col_stride,
