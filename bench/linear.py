@@ -4,8 +4,10 @@ For each shape (batch x in -> out) it times the forward, the backward and both
 together (float32, bias on, input and weight requiring grad) with
 torch.utils.benchmark, alternating torch and ext measurements in one process so
 that a busy moment on the machine hits both. It prints times, GFLOP/s, the ratio
-torch/ext (above 1: ext is faster) and ext's share of this machine's FMA peak,
-measured by the extension itself; then geometric means of the ratios.
+torch/ext (above 1: ext is faster) with its lowest and highest value over the
+rounds (how far one run on a shared machine can be trusted), and ext's share of
+this machine's FMA peak, measured by the extension itself; then geometric means
+of the ratios, again with their range over the rounds.
 
 With --products it times instead each product of a training step alone, through
 the raw ops (no autograd): the forward Y = X·Wᵀ + b, dX = dY·W, dW = dYᵀ·X and
@@ -56,6 +58,7 @@ class Row:
     torch_s: float
     ext_s: float
     peak_gflops: float | None
+    round_ratios: tuple[float, ...]  # torch/ext of each round's medians
 
     @property
     def flops(self) -> float:
@@ -74,11 +77,16 @@ class Row:
         gflops = [f"{self.gflops(s):.0f}" if self.flops else "-" for s in (self.torch_s, self.ext_s)]
         peak = f"{100 * self.gflops(self.ext_s) / self.peak_gflops:.0f}%" if self.peak_gflops and self.flops else "-"
         return [f"{m}x{k}->{n}", self.pass_name, f"{self.torch_s * 1e3:.3f}", f"{self.ext_s * 1e3:.3f}",
-                *gflops, f"{self.ratio:.2f}", peak]
+                *gflops, f"{self.ratio:.2f}", ratio_range(self.round_ratios), peak]
 
 
 HEADER = ["shape (batch x in->out)", "pass", "torch ms", "ext ms", "torch GFLOP/s", "ext GFLOP/s",
-          "torch/ext", "ext % of FMA peak"]
+          "torch/ext", "by round", "ext % of FMA peak"]
+
+
+def ratio_range(ratios) -> str:
+    """'1.09-1.16': the lowest and highest of some ratios, or '-' without any."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
 
 
 def make_statements(linear, x, w, b, dy):
@@ -103,15 +111,25 @@ def make_product_statements(x, w, b, dy):
     }
 
 
-def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> dict[str, float]:
-    """Median seconds per call of each statement, measured in alternating rounds."""
+def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> dict[str, list[list[float]]]:
+    """Seconds per call of each statement, one list of block times per round, measured in alternating rounds."""
     samples = {name: [] for name in statements}
     for _ in range(rounds):
         for name, fn in statements.items():
             # Timer runs on 1 thread unless told otherwise.
             timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-            samples[name] += timer.blocked_autorange(min_run_time=min_run_time_s).times
-    return {name: statistics.median(times) for name, times in samples.items()}
+            samples[name].append(timer.blocked_autorange(min_run_time=min_run_time_s).times)
+    return samples
+
+
+def compare(pass_name, shape, device, threads_label, peak_gflops, torch_rounds, ext_rounds) -> Row:
+    """A row from each side's block times per round. A side's time is the median of its round medians, so
+    the ratio of the two always lies within the range of the rounds' own ratios."""
+    torch_medians = [statistics.median(times) for times in torch_rounds]
+    ext_medians = [statistics.median(times) for times in ext_rounds]
+    round_ratios = tuple(t / e for t, e in zip(torch_medians, ext_medians))
+    return Row(device, threads_label, shape, pass_name, statistics.median(torch_medians),
+               statistics.median(ext_medians), peak_gflops, round_ratios)
 
 
 def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds, products=False) -> list[Row]:
@@ -128,8 +146,8 @@ def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, round
         pairs = {pass_name: (torch_calls[pass_name], ext_calls[pass_name]) for pass_name in PASSES}
     rows = []
     for pass_name, (torch_call, ext_call) in pairs.items():
-        medians = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
-        rows.append(Row(device, threads_label, shape, pass_name, medians["torch"], medians["ext"], peak_gflops))
+        times = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
+        rows.append(compare(pass_name, shape, device, threads_label, peak_gflops, times["torch"], times["ext"]))
     return rows
 
 
@@ -138,14 +156,21 @@ def geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def geomean_text(rows: list[Row]) -> str:
+    """The geometric mean of the rows' ratios, and the lowest and highest geometric mean of one round's
+    ratios (round r of every row): what a single round would have reported."""
+    per_round = [geomean(ratios) for ratios in zip(*(r.round_ratios for r in rows))]
+    return f"{geomean(r.ratio for r in rows):.2f} (by round {ratio_range(per_round)})"
+
+
 def summary_lines(rows: list[Row]) -> list[str]:
     lines = []
     for pass_name in dict.fromkeys(r.pass_name for r in rows):
-        ratios = [r.ratio for r in rows if r.pass_name == pass_name]
-        mlp = [r.ratio for r in rows if r.pass_name == pass_name and r.shape in MLP_SHAPES]
-        text = f"geomean torch/ext, {pass_name}: all shapes {geomean(ratios):.2f}"
+        of_pass = [r for r in rows if r.pass_name == pass_name]
+        mlp = [r for r in of_pass if r.shape in MLP_SHAPES]
+        text = f"geomean torch/ext, {pass_name}: all shapes {geomean_text(of_pass)}"
         if mlp:
-            text += f", MLP shapes {geomean(mlp):.2f}"
+            text += f", MLP shapes {geomean_text(mlp)}"
         lines.append(text)
     return lines
 

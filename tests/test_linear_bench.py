@@ -33,6 +33,27 @@ def test_products_mode_times_each_product_alone(capsys):
         row = next(line.split() for line in lines if line.split()[:2] == ["8x12->5", product])
         assert float(row[2]) > 0 and float(row[3]) > 0  # torch ms, ext ms
         if product == "db":
-            assert row[4:6] == ["-", "-"] and row[7] == "-"  # a sum: no GFLOP/s, no % of peak
+            assert row[4:6] == ["-", "-"] and row[8] == "-"  # a sum: no GFLOP/s, no % of peak
     assert "geomean torch/ext, dW: all shapes" in "\n".join(lines)
     assert not any(line.split()[1:2] == ["fwd+bwd"] for line in lines if line.strip())
+
+
+def test_ratio_is_the_median_round_and_lies_within_the_rounds():
+    # Round 2 has many fast ext blocks: pooled over all blocks, ext's median would be 1.0 and the
+    # ratio 2.0, above every round's own ratio.
+    torch_rounds = [[2.0], [2.0, 2.0, 2.0], [2.0]]
+    ext_rounds = [[1.6], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0], [1.25]]
+    row = bench_linear.compare("fwd+bwd", (8, 12, 5), "cpu", "1", None, torch_rounds, ext_rounds)
+    assert row.round_ratios == (1.25, 2.0, 1.6)
+    assert (row.torch_s, row.ext_s) == (2.0, 1.25) and row.ratio == 1.6
+    assert "1.25-2.00" in row.cells()
+
+
+def test_geomeans_come_with_their_range_over_rounds():
+    torch_rounds = [[4.0], [4.0], [4.0]]
+    rows = [bench_linear.compare("fwd+bwd", shape, "cpu", "1", None, torch_rounds, ext_rounds)
+            for shape, ext_rounds in (((128, 784, 256), [[4.0], [2.0], [2.0]]),      # rounds 1, 2, 2
+                                      ((1024, 1024, 1024), [[1.0], [4.0], [2.0]]))]  # rounds 4, 1, 2
+    # both ratios are 2; one round's geomean over the two shapes is 2, 1.41 or 2
+    assert bench_linear.summary_lines(rows) == [
+        "geomean torch/ext, fwd+bwd: all shapes 2.00 (by round 1.41-2.00), MLP shapes 2.00 (by round 1.00-2.00)"]
