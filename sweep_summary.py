@@ -5,7 +5,8 @@ the best val/acc, mean epoch time and throughput, and the parameter count. At th
 the Hydra callback `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs' summaries
 into `summary.csv` and `summary.md` in the sweep folder, one row per job, and compares every pair of jobs
 that differ only in `linear`: the speedup of custom over torch and the difference in val/acc. It prints
-the markdown at the end of the sweep.
+the markdown at the end of the sweep. A job that failed leaves `failed.txt` (its error) instead of
+`summary.json`; the other jobs still run, the summary lists it with its error, and the sweep exits with 1.
 
     python train.py -m linear=torch,custom model.hidden_sizes=[256],[1024]
     # -> outputs/multirun/<date>/<time>/summary.md
@@ -14,12 +15,14 @@ import csv
 import io
 import json
 import os
+import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 RUN_SUMMARY_NAME = "summary.json"
+JOB_FAILURE_NAME = "failed.txt"
 CSV_NAME = "summary.csv"
 MARKDOWN_NAME = "summary.md"
 # summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises)
@@ -76,19 +79,29 @@ def read_run_summary(run_dir):
     return json.loads((Path(run_dir) / RUN_SUMMARY_NAME).read_text())
 
 
+def write_job_failure(job_dir, message):
+    """failed.txt in a sweep job's folder: why the job failed, for the sweep summary."""
+    write_text_atomic(Path(job_dir) / JOB_FAILURE_NAME, message + "\n")
+
+
+def job_error(job_dir):
+    """Why a job has no summary.json: its failed.txt, or that it never got to the end (killed)."""
+    failure = Path(job_dir) / JOB_FAILURE_NAME
+    return failure.read_text().strip() if failure.is_file() else "did not finish (no summary.json)"
+
+
 def job_rows(sweep_dir):
-    """One dict per job folder under `sweep_dir` that holds a summary.json, in job order."""
+    """One dict per job folder under `sweep_dir`, in job order: its summary.json, or "error" if it has none."""
     rows = []
     for hydra_dir in Path(sweep_dir).glob("*/.hydra"):
         job_dir = hydra_dir.parent
-        if not (job_dir / RUN_SUMMARY_NAME).is_file():
-            continue  # the job failed before its end
         overrides = OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml"))
         config = OmegaConf.load(hydra_dir / "config.yaml")
         num = OmegaConf.load(hydra_dir / "hydra.yaml").hydra.job.num
+        finished = (job_dir / RUN_SUMMARY_NAME).is_file()
         rows.append({
             "num": num, "job": job_dir.name, "overrides": " ".join(overrides), "override_list": overrides,
-            "linear": config.linear.name, **read_run_summary(job_dir),
+            "linear": config.linear.name, **(read_run_summary(job_dir) if finished else {"error": job_error(job_dir)}),
         })
     return sorted(rows, key=lambda row: row["num"])
 
@@ -98,9 +111,11 @@ def override_key(override):
 
 
 def linear_pairs(rows):
-    """(torch row, custom row) for every two jobs whose overrides differ only in `linear`."""
+    """(torch row, custom row) for every two finished jobs whose overrides differ only in `linear`."""
     groups = {}
     for row in rows:
+        if "error" in row:
+            continue
         rest = tuple(sorted(o for o in row["override_list"] if override_key(o) != "linear"))
         groups.setdefault(rest, {}).setdefault(row["linear"], row)
     return [(group["torch"], group["custom"]) for group in groups.values() if {"torch", "custom"} <= set(group)]
@@ -116,15 +131,17 @@ def val_acc_diff_points(torch_row, custom_row):
 
 
 def to_csv(rows, pairs):
-    """One line per job; custom jobs with a torch partner also carry the speedup and accuracy difference."""
+    """One line per job; custom jobs with a torch partner also carry the speedup and accuracy difference, and
+    failed jobs their error instead of any figure."""
     compared = {id(custom): (torch_row, custom) for torch_row, custom in pairs}
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([column for column, _, _ in JOB_COLUMNS] + ["speedup_vs_torch", "val_acc_diff_points_vs_torch"])
+    writer.writerow([column for column, _, _ in JOB_COLUMNS] + ["speedup_vs_torch", "val_acc_diff_points_vs_torch",
+                                                                "error"])
     for row in rows:
         pair = compared.get(id(row))
         extra = [f"{speedup(*pair):.4f}", f"{val_acc_diff_points(*pair):.2f}"] if pair else ["", ""]
-        writer.writerow([row[key] for _, key, _ in JOB_COLUMNS] + extra)
+        writer.writerow([row.get(key, "") for _, key, _ in JOB_COLUMNS] + extra + [row.get("error", "")])
     return out.getvalue()
 
 
@@ -135,11 +152,18 @@ def markdown_table(header, lines):
 
 
 def to_markdown(sweep_dir, rows, pairs):
+    finished = [row for row in rows if "error" not in row]
+    failed = [row for row in rows if "error" in row]
     jobs = markdown_table(
         [column for column, _, _ in JOB_COLUMNS],
-        [[fmt.format(row[key]) if key != "overrides" else f"`{row[key]}`" for _, key, fmt in JOB_COLUMNS] for row in rows],
+        [[fmt.format(row[key]) if key != "overrides" else f"`{row[key]}`" for _, key, fmt in JOB_COLUMNS]
+         for row in finished],
     )
-    text = f"# Sweep {sweep_dir}\n\n{len(rows)} jobs\n\n{jobs}\n"
+    text = f"# Sweep {sweep_dir}\n\n{len(rows)} jobs" + (f", {len(failed)} failed" if failed else "") + f"\n\n{jobs}\n"
+    if failed:
+        errors = markdown_table(["job", "overrides", "error"],
+                                [[row["job"], f"`{row['overrides']}`", row["error"]] for row in failed])
+        text += f"\n## Failed jobs\n\n{errors}\n"
     if pairs:
         comparisons = markdown_table(
             ["overrides besides linear", "speedup custom/torch", "val_acc custom - torch"],
@@ -171,9 +195,15 @@ def summarize_sweep(sweep_dir):
 
 
 class SweepSummary(Callback):
-    """Hydra callback: summarize the sweep folder when a multirun ends."""
+    """Hydra callback: summarize the sweep folder when a multirun ends; exit with 1 if a job failed."""
 
     def on_multirun_end(self, config, **kwargs):
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            print(summarize_sweep(sweep_dir), flush=True)
+        if not sweep_dir.is_dir():
+            return
+        print(summarize_sweep(sweep_dir), flush=True)
+        failed = [row["job"] for row in job_rows(sweep_dir) if "error" in row]
+        if failed:
+            print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
+                  f"{sweep_dir / MARKDOWN_NAME})", file=sys.stderr, flush=True)
+            sys.exit(1)

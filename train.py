@@ -28,6 +28,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.nn import functional as F
@@ -756,16 +757,28 @@ def main(cfg: DictConfig) -> float:
             return None  # rank 0 reports the run
         return sweep_summary.read_run_summary(run_dir)[cfg.trainer.objective]  # what hydra/sweeper=optuna optimises
     except ConfigError as error:
-        fail(str(error))
+        return job_failed(str(error), 2, run_dir)
     except KeyboardInterrupt:
-        sys.exit(130)  # fit has said what was kept and how to resume
+        sys.exit(130)  # fit has said what was kept and how to resume; Ctrl-C stops a whole sweep too
     except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if isinstance(error, (data.DataError, CheckpointError, RunStopped)):
-            fail(str(error), exit_code=1)
+            return job_failed(str(error), 1, run_dir)
         reason = " ".join(str(error).split())
-        fail(f"{type(error).__name__}: {reason} (traceback in {Path(run_dir) / 'train.log'})", exit_code=1)
+        return job_failed(f"{type(error).__name__}: {reason} (traceback in {Path(run_dir) / 'train.log'})", 1,
+                          run_dir)
+
+
+def job_failed(message, exit_code, run_dir):
+    """A single run ends here with `message`. A sweep's job says it too, leaves it in its folder for the sweep
+    summary and returns NaN (a failed trial for an Optuna search), so that the other jobs still run: exiting
+    would end the whole sweep, and its summary with it. The sweep then exits with 1 (sweep_summary.py)."""
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        fail(message, exit_code)
+    print(f"error: job {Path(run_dir).name}: {message}", file=sys.stderr, flush=True)
+    sweep_summary.write_job_failure(run_dir, message)
+    return float("nan")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,21 @@ def test_nan_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
     assert "Traceback" in log_text and "NonFiniteLoss" in log_text  # the details are kept, off the terminal
 
 
+def test_a_failed_sweep_job_is_reported_and_the_others_still_run(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = train_command(["-m", "optim.lr=1e9,0.001", "trainer.epochs=1", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    failed, finished = sorted(path for path in sweep_dir.iterdir() if path.is_dir())
+    assert "loss became nan" in (failed / "failed.txt").read_text() and not (failed / "summary.json").exists()
+    assert (finished / "summary.json").is_file()  # the job after the failed one ran to its end
+    errors = error_lines(result)
+    assert errors[0].startswith(f"error: job {failed.name}: loss became nan") and len(errors) == 2
+    assert errors[1].startswith(f"error: 1 job(s) failed: {failed.name}")
+    markdown = (sweep_dir / "summary.md").read_text()
+    assert "2 jobs, 1 failed" in markdown and "## Failed jobs" in markdown
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("full_error", [False, True])
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path, full_error):
     run_dir = tmp_path / "run"

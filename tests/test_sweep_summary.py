@@ -13,8 +13,9 @@ def epoch(val_acc, epoch_s, samples_per_s):
             "throughput/train_samples_per_s": samples_per_s, "lr": 0.001}
 
 
-def make_job(sweep_dir, num, overrides, linear, history, finished=True):
-    """A job folder as a Hydra multirun leaves it: .hydra/ files and, if it finished, summary.json."""
+def make_job(sweep_dir, num, overrides, linear, history, finished=True, error=None):
+    """A job folder as a Hydra multirun leaves it: .hydra/ files and, if it finished, summary.json; if it
+    failed, its failed.txt (a job killed outside our control leaves neither)."""
     job_dir = sweep_dir / f"{num}_job"
     (job_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
@@ -22,6 +23,8 @@ def make_job(sweep_dir, num, overrides, linear, history, finished=True):
     OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": num}}}), job_dir / ".hydra" / "hydra.yaml")
     if finished:
         sweep_summary.write_run_summary(job_dir, history, num_params=1000 + num)
+    elif error:
+        sweep_summary.write_job_failure(job_dir, error)
 
 
 def test_run_summary_holds_final_best_and_means(tmp_path):
@@ -34,19 +37,22 @@ def test_run_summary_holds_final_best_and_means(tmp_path):
 
 
 def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
-    # jobs 0/1 and 2/3 differ only in linear; job 4 has no partner; job 5 failed (no summary.json)
+    # jobs 0/1 and 2/3 differ only in linear; job 4 has no partner; job 5 failed, job 6 was killed
     make_job(tmp_path, 0, ["linear=torch", "model.hidden_sizes=[64]"], "torch", [epoch(0.90, 2.0, 10.0)])
     make_job(tmp_path, 1, ["linear=custom", "model.hidden_sizes=[64]"], "custom", [epoch(0.92, 1.0, 20.0)])
     make_job(tmp_path, 2, ["linear=torch", "model.hidden_sizes=[128]"], "torch", [epoch(0.95, 3.0, 10.0)])
     make_job(tmp_path, 3, ["linear=custom", "model.hidden_sizes=[128]"], "custom", [epoch(0.94, 4.0, 20.0)])
     make_job(tmp_path, 4, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
-    make_job(tmp_path, 5, ["optim.lr=9"], "custom", [], finished=False)
+    make_job(tmp_path, 5, ["optim.lr=9"], "custom", [], finished=False, error="loss became nan in epoch 1")
+    make_job(tmp_path, 6, ["optim.lr=8"], "torch", [], finished=False)
 
     markdown = sweep_summary.summarize_sweep(tmp_path)
 
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))
-    assert [row["job"] for row in rows] == ["0_job", "1_job", "2_job", "3_job", "4_job"]
+    assert [row["job"] for row in rows] == ["0_job", "1_job", "2_job", "3_job", "4_job", "5_job", "6_job"]
+    assert rows[5]["error"] == "loss became nan in epoch 1" and rows[5]["val_acc"] == ""
+    assert rows[6]["error"] == "did not finish (no summary.json)" and rows[4]["error"] == ""
     assert rows[1]["overrides"] == "linear=custom model.hidden_sizes=[64]" and rows[1]["num_params"] == "1001"
     assert float(rows[1]["speedup_vs_torch"]) == pytest.approx(2.0)
     assert float(rows[1]["val_acc_diff_points_vs_torch"]) == pytest.approx(2.0)
@@ -56,7 +62,8 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     assert (tmp_path / "summary.md").read_text() == markdown
     assert "| `model.hidden_sizes=[64]` | 2.00x | +2.00 points |" in markdown
     assert "| `model.hidden_sizes=[128]` | 0.75x | -1.00 points |" in markdown
-    assert markdown.count("_job |") == 5
+    assert markdown.count("_job |") == 7 and "7 jobs, 2 failed" in markdown
+    assert "| 5_job | `optim.lr=9` | loss became nan in epoch 1 |" in markdown.split("## Failed jobs")[1]
 
 
 def test_sweep_without_linear_pairs_has_no_comparison(tmp_path):
