@@ -7,6 +7,7 @@
 
 Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard events and last.pt.
 """
+import hashlib
 import itertools
 import logging
 import math
@@ -64,10 +65,23 @@ def run_time():
     return datetime.now().strftime("%H-%M-%S.%f")[:-3]
 
 
+# Longest run name: a file name may have 255 bytes, and the time (13) or job number goes before it.
+MAX_RUN_NAME_BYTES = 200
+
+
 def run_name(*parts):
-    """Folder name from model, linear, data and the other overrides: mlp-custom-digits_optim.lr=0.01."""
+    """Folder name from model, linear, data and the other overrides: mlp-custom-digits_optim.lr=0.01.
+
+    A name too long for a folder (many overrides, an Optuna trial's long floats) keeps its first
+    MAX_RUN_NAME_BYTES bytes, ending in a hash of the whole, so that names stay distinct.
+    """
     names, overrides = parts[:-1], parts[-1]
-    return "_".join(filter(None, ["-".join(names), overrides.replace("/", "-")]))
+    name = "_".join(filter(None, ["-".join(names), overrides.replace("/", "-")]))
+    if len(name.encode()) <= MAX_RUN_NAME_BYTES:
+        return name
+    digest = "~" + hashlib.sha1(name.encode()).hexdigest()[:10]
+    kept = name.encode()[:MAX_RUN_NAME_BYTES - len(digest)].decode(errors="ignore")
+    return kept + digest
 
 
 # cached like Hydra's own `now`, so a sweep's jobs all resolve the same time

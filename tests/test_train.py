@@ -137,6 +137,26 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch, capsys, terminal
     assert ("epoch 1/1" in shown and "img/s" in shown) == terminal
 
 
+def test_long_run_names_are_cut_with_a_hash_that_keeps_them_distinct():
+    overrides = ",".join(f"optim.lr=0.00228811366847552{i},model.dropout=0.1808290128214931{i}" for i in range(4))
+    names = {train.run_name("mlp", "custom", "fake", overrides + f",seed={seed}") for seed in (1, 2)}
+    assert len(names) == 2
+    assert all(len(name.encode()) == train.MAX_RUN_NAME_BYTES and name.startswith("mlp-custom-fake_optim.lr=")
+               for name in names)
+
+
+def test_a_run_with_many_overrides_gets_a_folder(tmp_path):
+    many = ["optim.lr=0.0022881136684755237", "optim.weight_decay=0.007257005721594277",
+            "model.dropout=0.18082901282149316", "model.hidden_sizes=[512,256,128]", "sched=onecycle",
+            "trainer.deterministic=true", "data.loader=dataloader", "data.batch_size=128", "trainer.threads=1",
+            "seed=12345678"]
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "trainer.epochs=1", *many],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
+    assert (run_dir / "summary.json").is_file()
+
+
 def test_run_names_stay_single_folders():
     assert train.run_name("mlp", "custom", "digits", "") == "mlp-custom-digits"
     assert train.run_name("mlp", "torch", "fake", "data.image_size=[1,28,28],x=/a/b") == (
