@@ -12,6 +12,9 @@ import errno
 import os
 import random
 import shlex
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,19 +93,42 @@ def restore(state, path, model, optimizer, scheduler, scaler, loader_generator):
     restore_rng(state["rng"], loader_generator)
 
 
+@contextmanager
+def interrupts_deferred():
+    """Ctrl-C during the block takes effect when it ends, as a KeyboardInterrupt.
+
+    Raised inside torch.save, the interrupt would unwind through its zip writer, whose own error
+    ("unexpected pos") replaces it: the run would end with that error and no resume command. A save
+    takes well under a second, so waiting for it costs the user nothing and keeps the epoch.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 def save_epoch(state, run_dir, is_best):
-    """Write last.pt, and best.pt when `is_best`, into `run_dir`, each atomically.
+    """Write last.pt, and best.pt when `is_best`, into `run_dir`, each atomically; a Ctrl-C meanwhile
+    waits until both are written.
 
     best.pt is a hard link to the new last.pt renamed into place: no second copy of the bytes is written.
     """
     last = Path(run_dir) / LAST_NAME
-    save_atomic(state, last)
-    if is_best:
-        best = last.with_name(BEST_NAME)
-        temporary = best.with_name(BEST_NAME + ".tmp")
-        temporary.unlink(missing_ok=True)
-        os.link(last, temporary)
-        os.replace(temporary, best)
+    with interrupts_deferred():
+        save_atomic(state, last)
+        if is_best:
+            best = last.with_name(BEST_NAME)
+            temporary = best.with_name(BEST_NAME + ".tmp")
+            temporary.unlink(missing_ok=True)
+            os.link(last, temporary)
+            os.replace(temporary, best)
 
 
 def resume_command(run_dir):

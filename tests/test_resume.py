@@ -53,6 +53,20 @@ def disk_full(original, state, file):
     file.write(b"half a checkpoint")
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+class InterruptedWrites:  # a file whose second write gets a SIGINT: Ctrl-C in the middle of torch.save
+    def __init__(self, file):
+        self.file, self.writes = file, 0
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.file.write(data)
+    def flush(self):
+        return self.file.flush()
+
+def sigint_mid_save(original, state, file):
+    return original(state, InterruptedWrites(file))
+
 def nan_loss(original, *args, **kwargs):
     return original(*args, **kwargs) * float("nan")
 
@@ -60,6 +74,8 @@ if event == "sigkill-in-step":
     hook(torch.Tensor, "backward", kill(signal.SIGKILL))
 elif event == "sigint-in-step":
     hook(torch.Tensor, "backward", kill(signal.SIGINT))
+elif event == "sigint-in-save":
+    hook(torch, "save", sigint_mid_save)
 elif event == "sigkill-before-rename":
     hook(os, "replace", kill(signal.SIGKILL), counts=lambda source, target: str(target).endswith("last.pt"))
 elif event == "disk-full":
@@ -168,6 +184,15 @@ def test_ctrl_c_keeps_the_last_epoch_and_prints_the_command_that_resumes(tmp_pat
     resumed = train_command(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_run(run_dir, reference)
+
+
+def test_ctrl_c_during_a_save_finishes_it_then_stops(tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = train_command([*RUN, f"hydra.run.dir={run_dir}"], tmp_path, hooked=("sigint-in-save", 2))
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert torch.load(run_dir / "last.pt", weights_only=True)["epoch"] == 2  # the save it interrupted
+    assert "resume with: " in stopped.stdout and not error_lines(stopped)
+    assert not (run_dir / "last.pt.tmp").exists()
 
 
 def test_best_checkpoint_is_the_epoch_with_the_best_val_acc(reference):
