@@ -215,6 +215,12 @@ RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "tr
                     "data.root", "data.download", "data.num_workers")
 
 
+def plain_value(config, key):
+    """config's value at the dotted `key`, interpolations resolved, as plain Python (None if absent)."""
+    value = OmegaConf.select(config, key)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def resumed_config(saved, cfg, overridden_keys):
     """The config a resumed run continues with: the checkpoint's own (`saved`), plus settings it predates
     from `cfg`, plus the command line's `overridden_keys` that RESUME_OVERRIDES allows.
@@ -222,19 +228,22 @@ def resumed_config(saved, cfg, overridden_keys):
     Example:
         >>> resumed_config(state["config"], cfg, ["trainer.resume", "linear"])
     """
-    refused = [key for key in overridden_keys if not any(
-        key == allowed or key.startswith(f"{allowed}.") for allowed in RESUME_OVERRIDES
-    )]
-    if refused:
-        raise CheckpointError(
-            f"{', '.join(refused)} cannot change when resuming: a run continues with its checkpoint's config "
-            f"(changeable: {', '.join(RESUME_OVERRIDES)}); start a new run for other settings"
-        )
     result = OmegaConf.create(saved)
     for key in cfg:  # settings newer than the checkpoint keep their defaults
         if key not in result:
             result[key] = cfg[key]
     result.trainer = OmegaConf.merge(cfg.trainer, result.trainer)
+    # Repeating the run's own command line plus trainer.resume changes nothing, so only other values count;
+    # a group (data) that differs only by a refused setting inside it (data.train_size) is not named twice.
+    changed = [key for key in dict.fromkeys(overridden_keys) if not any(
+        key == allowed or key.startswith(f"{allowed}.") for allowed in RESUME_OVERRIDES
+    ) and plain_value(cfg, key) != plain_value(result, key)]
+    refused = [key for key in changed if not any(other.startswith(f"{key}.") for other in changed)]
+    if refused:
+        raise CheckpointError(
+            f"{', '.join(refused)} cannot change when resuming: a run continues with its checkpoint's config "
+            f"(changeable: {', '.join(RESUME_OVERRIDES)}); start a new run for other settings"
+        )
     for key in overridden_keys:
         OmegaConf.update(result, key, OmegaConf.select(cfg, key), merge=False)
     return result

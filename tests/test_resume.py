@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import checkpoint
@@ -263,8 +264,20 @@ def test_checkpoint_moves_between_linear_implementations(tmp_path, monkeypatch, 
 
 def test_resume_refuses_settings_that_would_change_the_run(tmp_path, monkeypatch):
     interrupted_run(tmp_path, ["trainer.epochs=2"], at_epoch=2, monkeypatch=monkeypatch)
-    with pytest.raises(checkpoint.CheckpointError, match=r"optim.lr cannot change when resuming"):
-        resume_in_process(tmp_path, ["optim.lr=0.1"])
+    with pytest.raises(checkpoint.CheckpointError, match=r"^optim.lr cannot change when resuming"):
+        resume_in_process(tmp_path, ["optim.lr=0.1", "trainer.epochs=2"])
+
+
+def test_resume_with_the_runs_own_command_line_is_accepted():
+    # `python train.py <the run's overrides> trainer.resume=<run>`: nothing changes, nothing is refused
+    run = ["data=fake", "data.train_size=64", "model.hidden_sizes=[32]", "trainer.epochs=2", "sched=onecycle"]
+    saved = OmegaConf.to_container(train.load_config(run), resolve=True)
+    again = [*run, "trainer.resume=somewhere"]
+    cfg = checkpoint.resumed_config(saved, train.load_config(again), [o.split("=")[0] for o in again])
+    assert OmegaConf.to_container(cfg, resolve=True)["data"] == saved["data"]
+    changed = [*again[:1], "data.train_size=128", *again[2:]]
+    with pytest.raises(checkpoint.CheckpointError, match=r"^data.train_size cannot change"):
+        checkpoint.resumed_config(saved, train.load_config(changed), [o.split("=")[0] for o in changed])
 
 
 @pytest.mark.parametrize("loader", ["memory", "dataloader"])
