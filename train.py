@@ -87,6 +87,7 @@ def run_name(*parts):
 # cached like Hydra's own `now`, so a sweep's jobs all resolve the same time
 OmegaConf.register_new_resolver("run_time", run_time, use_cache=True, replace=True)
 OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+OmegaConf.register_new_resolver("plus_one", lambda value: int(value) + 1, replace=True)  # conf/sched/onecycle.yaml
 
 
 def load_config(overrides=()):
