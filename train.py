@@ -7,12 +7,14 @@
 
 Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard events and last.pt.
 """
+import difflib
 import hashlib
 import itertools
 import logging
 import math
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -128,9 +130,32 @@ def check_command_line(argv):
             group, choice = error.missing_cfg_file.rsplit("/", 1)
             fail(f"{group}={choice} is not an option; choose one of: {', '.join(error.options or [])}")
         except HydraException as error:
-            fail(" ".join(str(error).split("\n")))
+            fail(unknown_key_message(str(error)) or " ".join(str(error).split("\n")))
         except ConfigError as error:
             fail(str(error))
+
+
+def unknown_key_message(hydra_message):
+    """For Hydra's "Could not override 'trainer.epoch'": the setting that was probably meant. (Hydra's own
+    advice, +trainer.epoch=3, adds a key nothing reads: the run would go on as if it were not given.)"""
+    match = re.match(r"Could not override '([^']+)'", hydra_message)
+    if not match:
+        return None
+    key = match.group(1)
+    known = dotted_keys(OmegaConf.to_container(load_config()))
+    guess = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    meant = f"; did you mean {guess[0]}?" if guess else ""
+    return f"{key} is not a setting{meant} (python train.py --cfg job lists them all)"
+
+
+def dotted_keys(node, prefix=""):
+    """Every key of a nested dict, dotted: ["data", "data.batch_size", ...]."""
+    keys = []
+    for key, value in node.items():
+        keys.append(prefix + key)
+        if isinstance(value, dict):
+            keys += dotted_keys(value, f"{prefix}{key}.")
+    return keys
 
 
 def is_int(value):

@@ -141,7 +141,9 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["trainer.epochs=-1"], ["trainer.epochs=-1"]),
     (["data.batch_size=0"], ["data.batch_size=0"]),
     (["-m", "linear=torch,cuda"], ["linear=cuda", "custom, torch"]),
-    (["trainer.epoch=3"], ["trainer.epoch", "+trainer.epoch=3"]),
+    (["trainer.epoch=3"], ["trainer.epoch is not a setting; did you mean trainer.epochs?"]),
+    (["modle=mlp"], ["modle is not a setting; did you mean model?"]),
+    (["optim.lrr=0.1"], ["optim.lrr is not a setting; did you mean optim.lr?"]),
 ])
 def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, names):
     result = subprocess.run(
