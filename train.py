@@ -185,7 +185,7 @@ RULES = (
     ("data.batch_size", lambda v: is_int(v) and v > 0, "a positive integer"),
     ("data.num_workers", lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     ("data.loader", lambda v: v in data.LOADER_KINDS, f"one of {', '.join(data.LOADER_KINDS)}"),
-    ("optim.lr", lambda v: is_number(v) and v > 0, "a positive number"),
+    ("optim.lr", lambda v: is_number(v) and 0 < v < math.inf, "a positive number"),
     ("trainer.resume", lambda v: v is None or isinstance(v, str), "a run folder or checkpoint file"),
     ("trainer.eval_only", lambda v: isinstance(v, bool), "true or false"),
     ("trainer.amp", lambda v: isinstance(v, bool), "true or false"),
@@ -211,6 +211,8 @@ OPTION_RULES = (
      "a list of positive integers"),
     ("model.activation", lambda v: v in models.ACTIVATIONS, f"one of {', '.join(models.ACTIVATIONS)}"),
     ("model.dropout", lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("optim.weight_decay", lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
+    ("optim.momentum", lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
 )
 
 

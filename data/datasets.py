@@ -66,6 +66,9 @@ def read_digits(root, download, val_fraction=0.2, split_seed=0):
     # its own generator: the split stays the same whatever the run's seed
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(split_seed))
     num_val = round(len(labels) * val_fraction)
+    if not 0 < num_val < len(labels):
+        raise DataError(f"data.val_fraction={val_fraction} leaves {num_val} of the {len(labels)} digits for "
+                        "validation and the rest for training; each needs at least one (0.2 is the default)")
     val, train = order[:num_val], order[num_val:]
     return images[train], labels[train], images[val], labels[val], 10
 

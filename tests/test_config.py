@@ -118,6 +118,9 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("data.num_workers=-1", "data.num_workers=-1 is invalid"),
     ("data.loader=threads", "data.loader=threads is invalid: it must be one of memory, dataloader"),
     ("optim.lr=0", "optim.lr=0 is invalid"),
+    ("optim.lr=inf", "optim.lr=inf is invalid"),
+    ("optim.weight_decay=-1", "optim.weight_decay=-1 is invalid: it must be a number >= 0"),
+    ("optim=sgd optim.momentum=1.5", "optim.momentum=1.5 is invalid"),
     ("model.hidden_sizes=[64,0]", "model.hidden_sizes=[64, 0] is invalid"),
     ("model.activation=swish", "model.activation=swish is invalid"),
     ("model.dropout=1.0", "model.dropout=1.0 is invalid"),
@@ -126,7 +129,14 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
 ])
 def test_validate_names_the_bad_setting(override, message):
     with pytest.raises(train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        train.validate(train.load_config([override]))
+        train.validate(train.load_config(override.split()))
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.99999])
+def test_a_digits_split_with_an_empty_side_is_refused(fraction):
+    cfg = train.load_config([f"data.val_fraction={fraction}"])
+    with pytest.raises(data.DataError, match=f"data.val_fraction={fraction} leaves"):
+        train.read_dataset(cfg.data)
 
 
 def test_cuda_device_is_rejected_without_a_gpu():
