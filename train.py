@@ -684,7 +684,7 @@ def fit(cfg, run_dir):
         global_step, best_val_acc = 0, -1.0
         if resumed:
             checkpoint.restore(
-                resumed, resume_path, model, optimizer, scheduler, settings.scaler, train_loader.generator
+                resumed, resume_path, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader)
             )
             global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
             epoch_times_s, history = resumed["epoch_times_s"], resumed["history"]
@@ -733,7 +733,7 @@ def fit(cfg, run_dir):
             is_best = val_acc > best_val_acc
             best_val_acc = max(best_val_acc, val_acc)
             state = checkpoint.training_state(
-                epoch, global_step, model, optimizer, scheduler, settings.scaler, train_loader.generator, cfg,
+                epoch, global_step, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader), cfg,
                 best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history,
             )
             if is_main:

@@ -83,13 +83,21 @@ def make_loader(images, labels, batch_size, shuffle, kind, device, num_workers=0
     if kind == "memory":
         return InMemoryLoader(images.to(device), labels.to(device), batch_size, shuffle, seed, rank, world_size)
     if kind == "dataloader":
-        generator = torch.Generator().manual_seed(seed)
+        order = torch.Generator().manual_seed(seed)
         return DataLoader(
             TensorDataset(images, labels),
-            batch_sampler=ShardedBatchSampler(len(labels), batch_size, shuffle, generator, rank, world_size),
+            batch_sampler=ShardedBatchSampler(len(labels), batch_size, shuffle, order, rank, world_size),
             num_workers=num_workers,
             pin_memory=device.type == "cuda",
-            generator=generator,
+            # The workers' seeds come from a generator of their own: drawn from the order's, they would
+            # shift the data order by how many iterators were made (one per epoch without workers, one per
+            # process with persistent workers), so num_workers and a resume would change the run.
+            generator=torch.Generator().manual_seed(seed),
             persistent_workers=num_workers > 0,
         )
     raise ValueError(f"unknown loader {kind!r}; choose one of {', '.join(LOADER_KINDS)}")
+
+
+def order_generator(loader):
+    """The generator that draws `loader`'s data order: the one a checkpoint saves and restores."""
+    return loader.batch_sampler.generator if isinstance(loader, DataLoader) else loader.generator

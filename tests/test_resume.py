@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import checkpoint
+import data
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,20 +281,32 @@ def test_resume_with_the_runs_own_command_line_is_accepted():
         checkpoint.resumed_config(saved, train.load_config(changed), [o.split("=")[0] for o in changed])
 
 
-@pytest.mark.parametrize("loader", ["memory", "dataloader"])
+@pytest.mark.parametrize("loader", ["memory", "dataloader", "dataloader with 2 workers"])
 def test_rng_state_restores_the_data_order_of_either_loader(loader):
-    cfg = train.load_config([f"data.loader={loader}"])
+    kind, *workers = loader.split(" with ")
+    cfg = train.load_config([f"data.loader={kind}", f"data.num_workers={2 if workers else 0}"])
     dataset = train.read_dataset(cfg.data)
     orders = []
     for restore in (False, True):
         train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
-        next(iter(train_loader))  # epoch 1
-        state = checkpoint.rng_state(train_loader.generator)
+        list(train_loader)  # epoch 1
+        state = checkpoint.rng_state(data.order_generator(train_loader))
         if restore:  # a fresh loader, as a resumed run builds it
             train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
-            checkpoint.restore_rng(state, train_loader.generator)
+            checkpoint.restore_rng(state, data.order_generator(train_loader))
         orders.append([labels for _, labels in train_loader])  # epoch 2
     assert all(torch.equal(a, b) for a, b in zip(*orders))
+
+
+def test_the_data_order_is_the_same_with_or_without_loader_workers():
+    dataset = train.read_dataset(train.load_config([]).data)
+    orders = []
+    for kind, workers in (("memory", 0), ("dataloader", 0), ("dataloader", 2)):
+        cfg = train.load_config([f"data.loader={kind}", f"data.num_workers={workers}"])
+        train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
+        orders.append([labels for _ in range(2) for _, labels in train_loader])  # two epochs
+    assert all(torch.equal(a, b) for a, b in zip(orders[0], orders[1]))
+    assert all(torch.equal(a, b) for a, b in zip(orders[1], orders[2]))
 
 
 def test_amp_loss_scale_survives_a_checkpoint():
