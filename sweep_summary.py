@@ -11,6 +11,7 @@ the markdown at the end of the sweep. A job that failed leaves `failed.txt` (its
     python train.py -m linear=torch,custom model.hidden_sizes=[256],[1024]
     # -> outputs/multirun/<date>/<time>/summary.md
 """
+import argparse
 import csv
 import io
 import json
@@ -194,6 +195,16 @@ def summarize_sweep(sweep_dir):
     return markdown
 
 
+def main(argv=None):
+    """`python sweep_summary.py <sweep folder>`: (re)write its summary.csv and summary.md, and print the markdown."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("sweep_dir", type=Path, help="a multirun folder, e.g. outputs/multirun/<date>/<time>")
+    sweep_dir = parser.parse_args(argv).sweep_dir
+    if not any(sweep_dir.glob("*/.hydra")):
+        parser.error(f"{sweep_dir} holds no job folders (<n>_<name>/.hydra/); give a multirun folder")
+    print(summarize_sweep(sweep_dir))
+
+
 class SweepSummary(Callback):
     """Hydra callback: summarize the sweep folder when a multirun ends; exit with 1 if a job failed."""
 
@@ -207,3 +218,7 @@ class SweepSummary(Callback):
             print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
                   f"{sweep_dir / MARKDOWN_NAME})", file=sys.stderr, flush=True)
             sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

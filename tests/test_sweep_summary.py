@@ -81,3 +81,14 @@ def test_callback_is_registered_for_every_multirun():
 def test_objective_must_be_a_summary_value():
     with pytest.raises(train.ConfigError, match="trainer.objective=val/accuracy is invalid"):
         train.validate(train.load_config(["trainer.objective=val/accuracy"]))
+
+
+def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)])
+    make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)])
+    sweep_summary.main([str(tmp_path)])
+    assert "| `` | 2.00x | +2.00 points |" in capsys.readouterr().out
+    assert (tmp_path / "summary.csv").is_file() and (tmp_path / "summary.md").is_file()
+    with pytest.raises(SystemExit):
+        sweep_summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
+    assert "holds no job folders" in capsys.readouterr().err
