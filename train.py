@@ -112,10 +112,17 @@ def check_command_line(argv):
     flags = [arg for arg in argv if arg.startswith("-")]
     if set(flags) - {"-m", "--multirun"}:  # --cfg, --config-name, ...: Hydra's business
         return
+    arguments = [arg for arg in argv if arg not in flags]
     try:
-        overrides = OverridesParser.create().parse_overrides([arg for arg in argv if arg not in flags])
-    except HydraException:  # malformed overrides: Hydra reports those itself
-        return
+        overrides = OverridesParser.create().parse_overrides(arguments)
+    except HydraException as error:  # malformed: say which argument, in one line (Hydra's report spans four)
+        for argument in arguments:
+            try:
+                OverridesParser.create().parse_override(argument)
+            except HydraException:
+                fail(f"cannot read {argument!r}: write key=value, with lists as key=[a,b] and quotes around "
+                     f"values with spaces or commas ({str(error).splitlines()[0].strip()})")
+        fail(" ".join(str(error).split()))
     jobs = []
     for override in overrides:
         if override.is_choice_sweep():

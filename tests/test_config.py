@@ -154,6 +154,8 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["trainer.epoch=3"], ["trainer.epoch is not a setting; did you mean trainer.epochs?"]),
     (["modle=mlp"], ["modle is not a setting; did you mean model?"]),
     (["optim.lrr=0.1"], ["optim.lrr is not a setting; did you mean optim.lr?"]),
+    (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
+    (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
 ])
 def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, names):
     result = subprocess.run(
