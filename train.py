@@ -123,6 +123,11 @@ def check_command_line(argv):
                 fail(f"cannot read {argument!r}: write key=value, with lists as key=[a,b] and quotes around "
                      f"values with spaces or commas ({str(error).splitlines()[0].strip()})")
         fail(" ".join(str(error).split()))
+    for override in overrides:
+        key = override.get_key_element().lstrip("+~")
+        if override.is_add() and not key.startswith("hydra") and key not in dotted_keys(config_keys()):
+            # +trainer.epoch=3 (Hydra's own advice for a misspelt key) adds a setting nothing reads
+            fail(unknown_key_message(f"Could not override '{key}'"))
     jobs = []
     for override in overrides:
         if override.is_choice_sweep():
@@ -149,10 +154,20 @@ def unknown_key_message(hydra_message):
     if not match:
         return None
     key = match.group(1)
-    known = dotted_keys(OmegaConf.to_container(load_config()))
+    known = dotted_keys(config_keys())
     guess = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     meant = f"; did you mean {guess[0]}?" if guess else ""
     return f"{key} is not a setting{meant} (python train.py --cfg job lists them all)"
+
+
+def config_keys():
+    """The default config as nested dicts, each group's keys merged over all its options (model.dropout is
+    mlp's, model.name every model's): every setting some choice of groups reads."""
+    config = OmegaConf.to_container(load_config())
+    for group in ("model", "linear", "data", "optim", "sched"):
+        for option in sorted((CONF_DIR / group).glob("*.yaml")):
+            config[group] = {**OmegaConf.to_container(OmegaConf.load(option)), **config[group]}
+    return config
 
 
 def dotted_keys(node, prefix=""):

@@ -154,6 +154,7 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["trainer.epoch=3"], ["trainer.epoch is not a setting; did you mean trainer.epochs?"]),
     (["modle=mlp"], ["modle is not a setting; did you mean model?"]),
     (["optim.lrr=0.1"], ["optim.lrr is not a setting; did you mean optim.lr?"]),
+    (["+trainer.epoch=3"], ["trainer.epoch is not a setting; did you mean trainer.epochs?"]),
     (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
     (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
 ])
