@@ -92,10 +92,18 @@ def job_error(job_dir):
 
 
 def job_rows(sweep_dir):
-    """One dict per job folder under `sweep_dir`, in job order: its summary.json, or "error" if it has none."""
+    """One dict per job folder under `sweep_dir`, in job order: its summary.json, or "error" if it has none.
+
+    Only the latest sweep's jobs: Hydra rewrites multirun.yaml when a sweep starts, so job folders older
+    than it were left by an earlier sweep run into the same folder (hydra.sweep.dir given twice).
+    """
     rows = []
+    started = Path(sweep_dir, "multirun.yaml")
+    started_ns = started.stat().st_mtime_ns if started.is_file() else 0
     for hydra_dir in Path(sweep_dir).glob("*/.hydra"):
         job_dir = hydra_dir.parent
+        if (hydra_dir / "hydra.yaml").stat().st_mtime_ns < started_ns:
+            continue
         overrides = OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml"))
         config = OmegaConf.load(hydra_dir / "config.yaml")
         num = OmegaConf.load(hydra_dir / "hydra.yaml").hydra.job.num

@@ -1,5 +1,6 @@
 """sweep_summary: run summaries, and the sweep summary built from a sweep folder's jobs."""
 import csv
+import os
 
 import pytest
 from omegaconf import OmegaConf
@@ -92,3 +93,13 @@ def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sweep_summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
     assert "holds no job folders" in capsys.readouterr().err
+
+
+def test_jobs_of_an_earlier_sweep_in_the_same_folder_are_left_out(tmp_path):
+    make_job(tmp_path, 0, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
+    make_job(tmp_path, 1, ["optim.lr=0.2"], "custom", [epoch(0.6, 1.0, 20.0)])
+    old = tmp_path / "0_job" / ".hydra" / "hydra.yaml"
+    os.utime(old, ns=(old.stat().st_atime_ns, old.stat().st_mtime_ns - 10**9))  # a second before this sweep
+    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
+    os.utime(tmp_path / "multirun.yaml", ns=(0, old.stat().st_mtime_ns + 10**8))
+    assert [row["job"] for row in sweep_summary.job_rows(tmp_path)] == ["1_job"]
