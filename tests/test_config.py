@@ -169,3 +169,13 @@ def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, 
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert all(name in lines[0] for name in names)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_one_sweep_can_compare_torch_with_the_unfused_operator():
+    # -m linear=torch,custom linear.fuse_relu=false: the setting must exist for both linears
+    for linear in ("torch", "custom"):
+        cfg = train.load_config([f"linear={linear}", "linear.fuse_relu=false"])
+        train.validate(cfg)
+        assert cfg.linear.fuse_relu is False
+    model = train.make_model(cfg, train.read_dataset(cfg.data), torch.device("cpu"))
+    assert not any(getattr(module, "activation", None) for module in model.modules())  # no fused layer
