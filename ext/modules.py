@@ -1,7 +1,10 @@
 """ext.Linear, a drop-in for nn.Linear running our kernels, and replace_linears."""
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ext.ops import linear, linear_relu
 
@@ -30,7 +33,10 @@ class Linear(nn.Linear):
         self.activation = activation
 
     def forward(self, input):
-        return ACTIVATIONS[self.activation](input, self.weight, self.bias)
+        # Named calls, not a table lookup, so that torch.fx records one node per layer.
+        if self.activation == "relu":
+            return linear_relu(input, self.weight, self.bias)
+        return linear(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         activation = f", activation={self.activation}" if self.activation else ""
@@ -38,11 +44,18 @@ class Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, module: nn.Linear, activation: str | None = None) -> Linear:
-        """An ext.Linear sharing module's weight and bias (same tensors, device and dtype).
+        """A new ext.Linear sharing module's weight and bias (same tensors, device and dtype).
+
+        It takes none of module's hooks; ext.replace_linears converts modules in place and
+        keeps them, and also converts pruned and weight- or spectral-normed modules.
 
         Example:
             >>> fast = ext.Linear.from_linear(nn.Linear(784, 256))
         """
+        if not isinstance(module.weight, nn.Parameter) or parametrize.is_parametrized(module):
+            raise TypeError(f"ext.Linear.from_linear: this {type(module).__name__}'s weight is computed "
+                            "(pruning, weight norm, spectral norm or a parametrization), so there is no "
+                            "weight to share; use ext.replace_linears(module), which converts it in place")
         # Built on the meta device so that no throwaway init runs (and the RNG is untouched).
         new = cls(module.in_features, module.out_features, bias=module.bias is not None,
                   device="meta", activation=activation)
@@ -53,26 +66,63 @@ class Linear(nn.Linear):
 
 
 def replace_linears(model: nn.Module, fuse_relu: bool = False) -> nn.Module:
-    """Swaps every nn.Linear in model for an ext.Linear sharing its weights, in place.
+    """Makes every nn.Linear in model an ext.Linear, in place, and returns model.
 
-    With fuse_relu, an nn.Linear directly followed by nn.ReLU inside an nn.Sequential
-    becomes ext.Linear(activation="relu") followed by nn.Identity, so state_dict keys
-    stay the same. Returns model (or the new module if model itself is an nn.Linear).
+    Only each module's class changes: it stays the same object, with its parameters,
+    hooks, pruning and weight or spectral norm (old style or parametrized), so a module
+    shared between two places stays shared. Subclasses of nn.Linear are left alone:
+    they may compute something else (MultiheadAttention's out_proj is never called).
+
+    With fuse_relu, an ext.Linear directly followed by an nn.ReLU inside an nn.Sequential
+    that runs its children in order takes the ReLU (activation="relu") and the ReLU's slot
+    becomes nn.Identity, so state_dict keys stay the same. A pair is left unfused where
+    fusing could change what someone observes: the Linear used elsewhere too, a forward or
+    backward hook on the Linear, or any hook on the ReLU.
 
     Example:
         >>> model = ext.replace_linears(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
         ...                             fuse_relu=True)
     """
-    if type(model) is nn.Linear:
-        return Linear.from_linear(model)
-    for name, child in model._modules.items():  # every slot, even one sharing a module with another
-        if child is not None:
-            model._modules[name] = replace_linears(child, fuse_relu)
-    if fuse_relu and isinstance(model, nn.Sequential):
-        names = list(model._modules)
-        for name, next_name in zip(names, names[1:]):
-            layer, following = model._modules[name], model._modules[next_name]
-            if type(layer) is Linear and layer.activation is None and type(following) is nn.ReLU:
-                model._modules[name] = Linear.from_linear(layer, activation="relu")
-                model._modules[next_name] = nn.Identity()
+    for module in model.modules():
+        _convert(module)
+    if fuse_relu:
+        _fuse_relus(model)
     return model
+
+
+def _convert(module: nn.Module) -> None:
+    if type(module) is nn.Linear:
+        module.__class__ = Linear
+    elif parametrize.is_parametrized(module) and type(module).__bases__ == (nn.Linear,):
+        # torch.nn.utils.parametrize gave the module a class of its own, derived from
+        # nn.Linear and holding the parametrized properties: derive the same from ours.
+        # (remove_parametrizations then restores the base class, ext.Linear.)
+        parametrized = type(module)
+        body = {key: value for key, value in vars(parametrized).items() if key not in ("__dict__", "__weakref__")}
+        module.__class__ = type(parametrized.__name__, (Linear,), body)
+    else:
+        return
+    module.activation = None
+
+
+def _fuse_relus(model: nn.Module) -> None:
+    uses = Counter(id(module) for module in model.modules(remove_duplicate=False))
+    for sequential in model.modules():
+        # A subclass with a forward of its own may not run its children one into the next.
+        if not isinstance(sequential, nn.Sequential) or type(sequential).forward is not nn.Sequential.forward:
+            continue
+        names = list(sequential._modules)
+        for name, next_name in zip(names, names[1:]):
+            layer, following = sequential._modules[name], sequential._modules[next_name]
+            if (isinstance(layer, Linear) and layer.activation is None and uses[id(layer)] == 1
+                    and not _has_hooks(layer, ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"))
+                    and type(following) is nn.ReLU and not _has_hooks(following, _HOOKS)):
+                layer.activation = "relu"
+                sequential._modules[next_name] = nn.Identity()
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _has_hooks(module: nn.Module, kinds) -> bool:
+    return any(getattr(module, kind) for kind in kinds)

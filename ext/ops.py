@@ -7,6 +7,7 @@ operands only. Autograd is C++ (ext/csrc/autograd.cpp) so that no step enters Py
 from __future__ import annotations
 
 import torch
+from torch.overrides import handle_torch_function, has_torch_function
 
 
 def _linear_fake(input, weight, bias):
@@ -72,6 +73,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         >>> y.shape
         torch.Size([8, 3, 256])
     """
+    if has_torch_function((input, weight, bias)):  # fx Proxies, tensor subclasses, torch function modes
+        return handle_torch_function(linear, (input, weight, bias), input, weight, bias)
     if _is_plain_2d(input, weight, bias):  # every layer, every step: kept to one check and one call
         return _LINEAR(input, weight, bias)
     return _apply(_LINEAR, input, weight, bias)
@@ -83,6 +86,8 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Example:
         >>> y = ext.linear_relu(torch.randn(128, 784), torch.randn(256, 784), torch.randn(256))
     """
+    if has_torch_function((input, weight, bias)):
+        return handle_torch_function(linear_relu, (input, weight, bias), input, weight, bias)
     if _is_plain_2d(input, weight, bias):
         return _LINEAR_RELU(input, weight, bias)
     return _apply(_LINEAR_RELU, input, weight, bias)
@@ -100,6 +105,9 @@ def _apply(op, input, weight, bias):
     if weight.dim() > 2:
         raise ValueError(f"ext.linear: weight must be 2-D (out_features x in_features) or 1-D, got "
                          f"shape {tuple(weight.shape)}")
+    if input.shape[-1] != weight.shape[-1]:  # checked here to name the caller's shapes, not the flattened ones
+        raise RuntimeError(f"ext.linear: input has {input.shape[-1]} features but weight expects "
+                           f"{weight.shape[-1]} (input shape {list(input.shape)}, weight shape {list(weight.shape)})")
     out_features = weight.shape[0] if weight.dim() == 2 else 1
     weight_2d = weight if weight.dim() == 2 else weight.unsqueeze(0)
     if bias is not None and bias.dim() <= 1 and bias.numel() == 1:

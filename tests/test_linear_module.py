@@ -1,7 +1,10 @@
-"""ext.Linear as a drop-in for nn.Linear, replace_linears, and torch.compile."""
+"""ext.Linear as a drop-in for nn.Linear, replace_linears, torch.compile and torch.fx."""
+import copy
+
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations, parametrize, prune
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ext
@@ -129,10 +132,161 @@ def test_replace_linears_keeps_weights_and_outputs(fuse_relu):
     assert_all_close(outputs_and_grads(model, input), outputs_and_grads(reference, input), torch.float64)
 
 
-def test_replace_linears_on_a_bare_linear_returns_an_ext_linear():
+def test_replace_linears_on_a_bare_linear_converts_it_in_place():
     layer = nn.Linear(3, 2)
-    replaced = ext.replace_linears(layer)
-    assert type(replaced) is ext.Linear and replaced.weight is layer.weight
+    weight = layer.weight
+    assert ext.replace_linears(layer) is layer
+    assert type(layer) is ext.Linear and layer.weight is weight and layer.activation is None
+
+
+def test_a_linear_shared_by_two_slots_stays_one_module():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    ext.replace_linears(model)
+    assert model[0] is model[2] is shared and type(shared) is ext.Linear
+
+
+NORMALISATIONS = {
+    "prune": lambda layer: prune.l1_unstructured(layer, "weight", amount=0.5),
+    "weight_norm": lambda layer: torch.nn.utils.weight_norm(layer),
+    "spectral_norm": lambda layer: torch.nn.utils.spectral_norm(layer),
+    "parametrized weight_norm": lambda layer: parametrizations.weight_norm(layer),
+    "parametrized spectral_norm": lambda layer: parametrizations.spectral_norm(layer),
+}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm is deprecated, still used
+@pytest.mark.parametrize("normalise", NORMALISATIONS.values(), ids=NORMALISATIONS)
+def test_replace_linears_converts_pruned_and_normed_linears(normalise):
+    # Their weight is computed from other parameters before each forward: the module must
+    # keep that machinery (it used to raise a TypeError, leaving the model half converted).
+    def build():  # twice from one seed: deepcopy refuses the old-style normed modules
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)).double()
+        normalise(model[2])
+        return model.eval()  # spectral norm's power iteration would otherwise change the weight each call
+
+    reference, model = build(), build()
+    head = model[2]
+    assert ext.replace_linears(model, fuse_relu=True) is model and model[2] is head
+    assert isinstance(head, ext.Linear) and isinstance(model[0], ext.Linear)
+    assert list(model.state_dict()) == list(reference.state_dict())
+    input = torch.randn(4, 6, dtype=torch.float64)
+    with OpNames() as log:
+        ours = outputs_and_grads(model, input)
+    assert "ext.linear" in log.names and "aten.addmm" not in log.names and "aten.mm" not in log.names
+    assert_all_close(ours, outputs_and_grads(reference, input), torch.float64)
+
+
+def test_removing_a_parametrization_leaves_an_ext_linear():
+    layer = parametrizations.weight_norm(nn.Linear(4, 3))
+    ext.replace_linears(layer)
+    parametrize.remove_parametrizations(layer, "weight")
+    assert type(layer) is ext.Linear
+
+
+def test_subclasses_of_nn_linear_are_left_alone():
+    attention = nn.MultiheadAttention(8, 2)  # its out_proj is an nn.Linear subclass that is never called
+    ext.replace_linears(attention)
+    assert not isinstance(attention.out_proj, ext.Linear)
+
+
+def test_from_linear_refuses_a_computed_weight_and_says_what_to_use():
+    layer = nn.Linear(4, 3)
+    prune.random_unstructured(layer, "weight", amount=0.5)
+    with pytest.raises(TypeError, match="weight is computed .* use ext.replace_linears"):
+        ext.Linear.from_linear(layer)
+
+
+def test_hooks_survive_the_conversion():
+    layer = nn.Linear(4, 3)
+    calls = []
+    layer.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    layer.register_forward_hook(lambda module, args, output: calls.append("post"))
+    layer.register_full_backward_hook(lambda module, grad_input, grad_output: calls.append("backward"))
+    model = ext.replace_linears(nn.Sequential(layer))
+    assert type(model[0]) is ext.Linear
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert calls == ["pre", "post", "backward"]
+
+
+def fusable_pair(hook_on):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen = []
+    if hook_on == "linear":
+        model[0].register_forward_hook(lambda module, args, output: seen.append(output.min().item()))
+    elif hook_on == "relu":
+        model[1].register_forward_hook(lambda module, args, output: seen.append(output.min().item()))
+    return model, seen
+
+
+@pytest.mark.parametrize("hook_on", ["linear", "relu"])
+def test_no_fusion_where_a_hook_would_see_the_difference(hook_on):
+    torch.manual_seed(0)
+    reference, seen_by_reference = fusable_pair(hook_on)
+    model, seen = fusable_pair(hook_on)
+    model.load_state_dict(reference.state_dict())
+    ext.replace_linears(model, fuse_relu=True)
+    assert type(model[1]) is nn.ReLU and model[0].activation is None
+    input = torch.randn(8, 4)
+    torch.testing.assert_close(model(input), reference(input))
+    assert seen == seen_by_reference  # the hook on the Linear still sees values below zero
+
+
+class ReversedSequential(nn.Sequential):
+    def forward(self, input):  # runs its children last to first
+        for module in reversed(self):
+            input = module(input)
+        return input
+
+
+def test_no_fusion_inside_a_sequential_with_its_own_forward():
+    torch.manual_seed(0)
+    reference = ReversedSequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model = copy.deepcopy(reference)
+    ext.replace_linears(model, fuse_relu=True)
+    assert type(model[1]) is nn.ReLU
+    input = torch.randn(8, 4)
+    torch.testing.assert_close(model(input), reference(input))
+
+
+def test_no_fusion_of_a_linear_also_used_without_relu():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    reference = nn.Sequential(shared, nn.ReLU(), shared)  # the second use must stay unrectified
+    model = copy.deepcopy(reference)
+    ext.replace_linears(model, fuse_relu=True)
+    assert model[0].activation is None and type(model[1]) is nn.ReLU
+    input = torch.randn(8, 4)
+    torch.testing.assert_close(model(input), reference(input))
+
+
+def test_torch_fx_records_one_call_per_layer():
+    torch.manual_seed(0)
+    model = ext.replace_linears(nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), fuse_relu=True)
+    traced = torch.fx.symbolic_trace(model)
+    targets = [node.target for node in traced.graph.nodes if node.op == "call_function"]
+    assert targets == [ext.linear_relu, ext.linear]
+    input = torch.randn(2, 7, 6)  # leading dimensions are resolved when the graph runs
+    torch.testing.assert_close(traced(input), model(input))
+
+
+class FunctionCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.functions = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.functions.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_function_modes_see_ext_linear():
+    input, weight, bias = torch.randn(3, 4), torch.randn(2, 4), torch.randn(2)
+    with FunctionCalls() as log:
+        output = ext.linear(input, weight, bias)
+    assert log.functions == [ext.linear]
+    torch.testing.assert_close(output, torch.nn.functional.linear(input, weight, bias))
 
 
 def test_torch_compile_fullgraph_matches_eager():

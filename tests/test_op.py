@@ -344,7 +344,13 @@ ERROR_CASES = {
     "feature mismatch": (lambda: ext.linear(*_floats((2, 3), (4, 5))),
                          RuntimeError, "input has 3 features but weight expects 5"),
     "feature mismatch, 3-D": (lambda: ext.linear(*_floats((6, 2, 3), (4, 5))),
-                              RuntimeError, "input has 3 features but weight expects 5"),
+                              RuntimeError, "input has 3 features but weight expects 5 (input shape [6, 2, 3], "
+                                            "weight shape [4, 5])"),  # the caller's shapes, not the flattened ones
+    "feature mismatch, 1-D weight": (lambda: ext.linear(*_floats((6, 2, 3), (5,))),
+                                     RuntimeError, "input has 3 features but weight expects 5 (input shape "
+                                                   "[6, 2, 3], weight shape [5])"),
+    "bias shape, 3-D": (lambda: ext.linear(*_floats((6, 2, 3), (4, 3), (5,))),
+                        RuntimeError, "bias must have shape [4] to match weight, got [5]"),
     "bias shape": (lambda: ext.linear(*_floats((2, 3), (4, 3), (5,))),
                    RuntimeError, "bias must have shape [4] to match weight, got [5]"),
     "3-D weight": (lambda: ext.linear(*_floats((2, 3), (4, 3, 1))),
