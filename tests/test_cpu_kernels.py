@@ -227,6 +227,42 @@ def test_bit_identical_across_runs_and_thread_counts(path):
             assert torch.equal(one, two), f"{path}: 1 and 2 threads differ for M={m} N={n} K={k}"
 
 
+# The autograd backward calls the kernels directly (autograd.cpp backward_cpu), with dX and db
+# on one thread and dW on the other when there are 2. (batch, out, in): two K blocks for dX
+# (out > 800), ragged last tiles, the many-rows tile, a 10-class head; every grad_output layout.
+BACKWARD_SHAPES = [(128, 1000, 2048), (300, 801, 49), (129, 65, 385), (512, 256, 31), (257, 10, 600)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_backward_on_two_threads_matches_one_thread_bit_for_bit(path, dtype):
+    for batch, out_features, in_features in BACKWARD_SHAPES:
+        assert 2 * batch * out_features * in_features >= PARALLEL_MIN_FLOPS  # or dX and dW run one after the other
+        input = make(batch, in_features, dtype, "contiguous", 21).requires_grad_()
+        weight = make(out_features, in_features, dtype, "contiguous", 22).requires_grad_()
+        bias = make(1, out_features, dtype, "contiguous", 23)[0].requires_grad_()
+        for grad_layout in LAYOUTS:
+            grad_output = make(batch, out_features, dtype, grad_layout, 24)
+
+            def grads():
+                input.grad = weight.grad = bias.grad = None
+                ext.linear(input, weight, bias).backward(grad_output)
+                return input.grad, weight.grad, bias.grad
+
+            with cpu_path(path):
+                with num_threads(1):
+                    single = grads()
+                with num_threads(2):
+                    shared = grads()
+            where = f"{path}: {batch}x{in_features}->{out_features}, {grad_layout} grad_output"
+            expected = [grad_output.double() @ weight.double(), grad_output.double().t() @ input.double(),
+                        grad_output.double().sum(0)]
+            for name, one, two, reference, depth in zip(("dX", "dW", "db"), single, shared, expected,
+                                                        (out_features, batch, batch)):
+                assert torch.equal(one, two), f"{name} differs on 1 and 2 threads ({where})"
+                assert_close(two, reference, dtype, depth)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sum_rows_over_many_columns(layout):
     # sum_rows splits columns into tasks of 1024 (gemm.cpp); cross that and use both inner loops.

@@ -319,6 +319,9 @@ def test_dx_and_dw_run_side_by_side_on_two_threads_when_big_enough(fn, shape, th
         with num_threads(count), torch.profiler.profile() as profile:
             output = fn(input, weight, bias)
             output.backward(torch.ones_like(output))
+        names = [event.name for event in profile.events() if event.name.startswith("ext::linear_backward")]
+        assert sorted(names) == ["ext::linear_backward_bias", "ext::linear_backward_input",
+                                 "ext::linear_backward_weight"]  # each product profiled once, under its op's name
         thread_of = {event.name: event.thread for event in profile.events() if event.name.startswith("ext::")}
         ran_on = {thread_of["ext::linear_backward_input"], thread_of["ext::linear_backward_weight"]}
         assert len(ran_on) == expected_threads
