@@ -7,6 +7,7 @@ operands only. Autograd is C++ (ext/csrc/autograd.cpp) so that no step enters Py
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 from torch.overrides import handle_torch_function, has_torch_function
 
 
@@ -62,6 +63,88 @@ def _is_plain_2d(input, weight, bias) -> bool:
         return False
 
 
+class _TransformableLinear(torch.autograd.Function):
+    """linear / linear_relu for torch.func transforms (grad, vmap, jacrev, jacfwd, ...) and
+    forward-mode AD, which cannot go through the ops' C++ autograd (a C++ autograd Function
+    has neither). The same kernels; only the autograd bookkeeping is Python, which costs
+    ~10 us per call, so it runs only while a transform or a dual level is active.
+    The backward and the jvp are built from this Function again, so they compose to any order.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(input, weight, bias, relu):
+        return (_LINEAR_RELU if relu else _LINEAR)(input, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias, relu = inputs
+        ctx.save_for_backward(input, weight, output if relu else None)
+        ctx.save_for_forward(input, weight, output if relu else None)
+        ctx.relu, ctx.has_bias = relu, bias is not None
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, output = ctx.saved_tensors
+        if ctx.relu:
+            grad_output = torch.ops.aten.threshold_backward(grad_output, output, 0)
+        needs_input, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        # dX = dY·W = linear(dY, Wᵀ) and dW = dYᵀ·X = linear(dYᵀ, Xᵀ)
+        grad_input = _TransformableLinear.apply(grad_output, weight.t(), None, False) if needs_input else None
+        grad_weight = _TransformableLinear.apply(grad_output.t(), input.t(), None, False) if needs_weight else None
+        grad_bias = grad_output.sum(0) if ctx.has_bias and needs_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+    @staticmethod
+    def jvp(ctx, input_tangent, weight_tangent, bias_tangent, _):
+        input, weight, output = ctx.saved_tensors
+        # d(X·Wᵀ + b) = dX·Wᵀ + X·dWᵀ + db, through the ReLU's mask
+        terms = [] if bias_tangent is None else [bias_tangent.expand(input.shape[0], weight.shape[0])]
+        if input_tangent is not None:
+            terms.append(_TransformableLinear.apply(input_tangent, weight, None, False))
+        if weight_tangent is not None:
+            terms.append(_TransformableLinear.apply(input, weight_tangent, None, False))
+        tangent = sum(terms[1:], terms[0])
+        return torch.ops.aten.threshold_backward(tangent, output, 0) if ctx.relu else tangent
+
+
+def _vmap_rule(op):
+    """torch.func.vmap of op: with one weight and bias for all samples, the samples join
+    the rows of one product; with per-sample weights or biases, one product per sample."""
+    def rule(info, in_dims, input, weight, bias):
+        input_dim, weight_dim, bias_dim = in_dims
+        if weight_dim is None and bias_dim is None:
+            samples = input.movedim(input_dim, 0)
+            output = op(samples.reshape(-1, samples.shape[-1]), weight, bias)
+            return output.view(samples.shape[0], samples.shape[1], output.shape[-1]), 0
+
+        def sample(tensor, dim, index):
+            return tensor if dim is None else tensor.select(dim, index)
+
+        outputs = [op(sample(input, input_dim, i), sample(weight, weight_dim, i),
+                      None if bias is None else sample(bias, bias_dim, i)) for i in range(info.batch_size)]
+        return torch.stack(outputs), 0
+    return rule
+
+
+torch.library.register_vmap("ext::linear", _vmap_rule(_LINEAR))
+torch.library.register_vmap("ext::linear_relu", _vmap_rule(_LINEAR_RELU))
+
+
+def _transformable_linear(input, weight, bias):
+    return _TransformableLinear.apply(input, weight, bias, False)
+
+
+def _transformable_linear_relu(input, weight, bias):
+    return _TransformableLinear.apply(input, weight, bias, True)
+
+
+def _transforms_active() -> bool:
+    """A torch.func transform or a forward-mode AD level is active (see _TransformableLinear)."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+
+
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Y = input · weightᵀ + bias with our kernels; the same contract as F.linear.
 
@@ -75,9 +158,10 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     if has_torch_function((input, weight, bias)):  # fx Proxies, tensor subclasses, torch function modes
         return handle_torch_function(linear, (input, weight, bias), input, weight, bias)
-    if _is_plain_2d(input, weight, bias):  # every layer, every step: kept to one check and one call
-        return _LINEAR(input, weight, bias)
-    return _apply(_LINEAR, input, weight, bias)
+    op = _transformable_linear if _transforms_active() else _LINEAR
+    if _is_plain_2d(input, weight, bias):  # every layer, every step: kept to a few checks and one call
+        return op(input, weight, bias)
+    return _apply(op, input, weight, bias)
 
 
 def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,9 +172,10 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """
     if has_torch_function((input, weight, bias)):
         return handle_torch_function(linear_relu, (input, weight, bias), input, weight, bias)
+    op = _transformable_linear_relu if _transforms_active() else _LINEAR_RELU
     if _is_plain_2d(input, weight, bias):
-        return _LINEAR_RELU(input, weight, bias)
-    return _apply(_LINEAR_RELU, input, weight, bias)
+        return op(input, weight, bias)
+    return _apply(op, input, weight, bias)
 
 
 def _apply(op, input, weight, bias):

@@ -254,6 +254,62 @@ def test_relu_gradient_at_nan_outputs_matches_torch():
     torch.testing.assert_close(ours[1][0], expected[1][0], equal_nan=True)
 
 
+# ---- torch.func transforms and forward-mode AD ----
+
+def _relu_linear(input, weight, bias):
+    return F.relu(F.linear(input, weight, bias))
+
+
+def _forward_ad_tangent(fn, input, weight, bias):
+    with torch.autograd.forward_ad.dual_level():
+        dual_input = torch.autograd.forward_ad.make_dual(input, torch.ones_like(input))
+        dual_weight = torch.autograd.forward_ad.make_dual(weight, weight.flip(0))
+        dual_bias = torch.autograd.forward_ad.make_dual(bias, torch.full_like(bias, 0.5))
+        return torch.autograd.forward_ad.unpack_dual(fn(dual_input, dual_weight, dual_bias)).tangent
+
+
+TRANSFORMS = {  # fn(input, weight, bias) -> what the transform computes through fn
+    "grad": lambda fn, x, w, b: torch.func.grad(lambda x, w, b: fn(x, w, b).square().sum(), argnums=(0, 1, 2))(x, w, b),
+    "vmap over inputs": lambda fn, x, w, b: torch.func.vmap(lambda x: fn(x, w, b))(torch.stack([x, 2 * x, -x])),
+    "vmap over weights": lambda fn, x, w, b: torch.func.vmap(lambda w, b: fn(x, w, b))(torch.stack([w, -w]),
+                                                                                        torch.stack([b, 3 * b])),
+    "per-sample grads": lambda fn, x, w, b: torch.func.vmap(
+        torch.func.grad(lambda w, b, row: fn(row, w, b).square().sum(), argnums=(0, 1)), in_dims=(None, None, 0))(w, b, x),
+    "jacrev": lambda fn, x, w, b: torch.func.jacrev(fn, argnums=(0, 1, 2))(x, w, b),
+    "jacfwd": lambda fn, x, w, b: torch.func.jacfwd(fn, argnums=(0, 1, 2))(x, w, b),
+    "hessian": lambda fn, x, w, b: torch.func.hessian(lambda w: fn(x, w, b).square().sum())(w),
+    "grad of a 3-D input": lambda fn, x, w, b: torch.func.grad(lambda x: fn(x, w, b).sum())(x.unsqueeze(1)),
+    "forward-mode AD": _forward_ad_tangent,
+    "jvp of the input alone": lambda fn, x, w, b: torch.func.jvp(lambda x: fn(x, w, b), (x,), (x.flip(0),)),
+    "jvp of the bias alone": lambda fn, x, w, b: torch.func.jvp(lambda b: fn(x, w, b), (b,), (torch.ones_like(b),)),
+}
+
+
+@pytest.fixture
+def vmap_needs_batching_rules():
+    # Without this, vmap runs an op with no batching rule once per sample, silently.
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    yield
+    torch._C._functorch._set_vmap_fallback_enabled(True)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, _relu_linear)],
+                         ids=["linear", "linear_relu"])
+def test_torch_func_transforms_match_f_linear(fn, reference, transform, vmap_needs_batching_rules):
+    # The ops' C++ autograd has no jvp and no functorch support: ext.linear switches to a
+    # Python autograd.Function (same kernels) while a transform or a dual level is active.
+    input, weight, bias = make_operands(5, 4, 3, torch.float64)
+    ours, theirs = TRANSFORMS[transform](fn, input, weight, bias), TRANSFORMS[transform](reference, input, weight, bias)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
+def test_plain_calls_keep_the_cpp_autograd(fn):
+    input, weight, bias = (t.requires_grad_() for t in make_operands(8, 6, 5, torch.float32))
+    assert type(fn(input, weight, bias).grad_fn).__name__ != "BackwardCFunction"  # not the Python fallback
+
+
 # ---- registrations ----
 
 OPCHECK_SHAPES = [(1, 1, 1), (5, 7, 3), (17, 16, 33)]
