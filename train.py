@@ -9,6 +9,7 @@ Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard ev
 """
 import difflib
 import hashlib
+import inspect
 import itertools
 import logging
 import math
@@ -32,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
@@ -253,6 +254,24 @@ def validate(cfg):
                 raise ConfigError(f"{key}={shown} is invalid: it must be {expected}")
     if cfg.trainer.eval_only and not cfg.trainer.resume:
         raise ConfigError("trainer.eval_only=true needs trainer.resume=<run folder or checkpoint file>")
+    check_targets_take_their_settings(cfg)
+
+
+def check_targets_take_their_settings(cfg):
+    """Refuse a setting that a group's class does not take (+optim.momentum=0.9 with optim=adamw: another
+    option has the key), naming what it takes, rather than fail in its constructor after the data loads."""
+    for group, node in cfg.items():
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        parameters = inspect.signature(get_object(node._target_)).parameters
+        if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+            continue  # takes any setting (models.build_model passes them on)
+        for key in node:
+            if not key.startswith("_") and key not in parameters:  # _target_ and Hydra's other keys
+                settings = [name for name, parameter in parameters.items()
+                            if parameter.default is not inspect.Parameter.empty]
+                raise ConfigError(f"{group}.{key} is not a setting of {node._target_}: it takes "
+                                  f"{', '.join(settings)}")
 
 
 def hydra_quoted(path):

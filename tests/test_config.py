@@ -126,6 +126,9 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("model.dropout=1.0", "model.dropout=1.0 is invalid"),
     ("trainer.device=tpu", "trainer.device=tpu is invalid"),
     ("~seed", "seed is missing"),
+    # a key another option of the group has, which this option's class does not take
+    ("+optim.momentum=0.5", "optim.momentum is not a setting of torch.optim.AdamW: it takes lr, betas, eps,"),
+    ("sched=onecycle +sched.eta_min=0", "sched.eta_min is not a setting of torch.optim.lr_scheduler.OneCycleLR"),
 ])
 def test_validate_names_the_bad_setting(override, message):
     with pytest.raises(train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -157,6 +160,7 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["+trainer.epoch=3"], ["trainer.epoch is not a setting; did you mean trainer.epochs?"]),
     (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
     (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
+    (["+optim.momentum=0.9"], ["optim.momentum is not a setting of torch.optim.AdamW"]),
 ])
 def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, names):
     result = subprocess.run(
