@@ -114,7 +114,8 @@ def _fuse_relus(model: nn.Module) -> None:
         names = list(sequential._modules)
         for name, next_name in zip(names, names[1:]):
             layer, following = sequential._modules[name], sequential._modules[next_name]
-            if (isinstance(layer, Linear) and layer.activation is None and uses[id(layer)] == 1
+            if (isinstance(layer, Linear) and type(layer).forward is Linear.forward  # it honours activation
+                    and layer.activation is None and uses[id(layer)] == 1
                     and not _has_hooks(layer, ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"))
                     and type(following) is nn.ReLU and not _has_hooks(following, _HOOKS)):
                 layer.activation = "relu"

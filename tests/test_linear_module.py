@@ -250,6 +250,21 @@ def test_no_fusion_inside_a_sequential_with_its_own_forward():
     torch.testing.assert_close(model(input), reference(input))
 
 
+class OwnForwardLinear(ext.Linear):
+    def forward(self, input):  # its own forward: it would not apply a fused activation
+        return ext.linear(input, self.weight, self.bias)
+
+
+def test_no_fusion_into_a_subclass_with_its_own_forward():
+    torch.manual_seed(0)
+    reference = nn.Sequential(OwnForwardLinear(4, 4), nn.ReLU())
+    model = copy.deepcopy(reference)
+    ext.replace_linears(model, fuse_relu=True)
+    assert type(model[1]) is nn.ReLU
+    input = torch.randn(8, 4)
+    torch.testing.assert_close(model(input), reference(input))
+
+
 def test_no_fusion_of_a_linear_also_used_without_relu():
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)
