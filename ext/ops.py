@@ -185,11 +185,11 @@ def _apply(op, input, weight, bias):
             expected = "a torch.Tensor or None" if name == "bias" else "a torch.Tensor"
             raise TypeError(f"ext.linear: {name} must be {expected}, got {type(value).__name__}")
     if input.dim() == 0 or weight.dim() == 0:
-        raise ValueError(f"ext.linear: input and weight must be at least 1-D, got shapes "
-                         f"{tuple(input.shape)} and {tuple(weight.shape)}")
+        raise RuntimeError(f"ext.linear: input and weight must be at least 1-D, got shapes "
+                           f"{tuple(input.shape)} and {tuple(weight.shape)}")
     if weight.dim() > 2:
-        raise ValueError(f"ext.linear: weight must be 2-D (out_features x in_features) or 1-D, got "
-                         f"shape {tuple(weight.shape)}")
+        raise RuntimeError(f"ext.linear: weight must be 2-D (out_features x in_features) or 1-D, got "
+                           f"shape {tuple(weight.shape)}")
     if input.shape[-1] != weight.shape[-1]:  # checked here to name the caller's shapes, not the flattened ones
         raise RuntimeError(f"ext.linear: input has {input.shape[-1]} features but weight expects "
                            f"{weight.shape[-1]} (input shape {list(input.shape)}, weight shape {list(weight.shape)})")
