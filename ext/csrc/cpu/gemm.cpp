@@ -150,7 +150,7 @@ class PackBuffer {
 thread_local PackBuffer t_packed_a, t_packed_b;
 
 // Asks for the next tile of C while this one computes: from the second K block on,
-// the tile starts by loading C, which has long left L1/L2 by then (the only
+// the tile adds C to its sum, and C has long left L1/L2 by then (the only
 // case that asks, see gemm_slab).
 inline void prefetch_tile(const void* c, int64_t rows, int64_t row_bytes, int64_t ld_bytes) {
   const char* p = static_cast<const char*>(c);

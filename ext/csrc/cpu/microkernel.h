@@ -8,7 +8,8 @@
 namespace ext::cpu {
 
 // One register tile: C[rows x cols] = (accumulate ? C : bias row or 0) + A·B over
-// a depth of kc, then max(., 0) if relu. A[i, k] = a[i * a_row_stride + k *
+// a depth of kc, then max(., 0) if relu. A·B is summed in registers and added to C
+// at the store. A[i, k] = a[i * a_row_stride + k *
 // a_k_stride] (a packed panel, or the caller's matrix read in place); B's row k
 // is NR values at b + k * b_k_stride (a packed panel, b_k_stride = NR, or the
 // caller's row-major matrix read in place). rows <= MR and cols <= NR; rows

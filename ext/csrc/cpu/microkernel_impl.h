@@ -69,7 +69,7 @@ void tile(const TileArgs<typename Simd::T>& t) {
   for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 16")
     for (int v = 0; v < NV; ++v)
-      acc[i][v] = t.accumulate ? load<Simd>(c + i * ldc + v * W) : bias ? load<Simd>(bias + v * W) : V{};
+      acc[i][v] = !t.accumulate && bias ? load<Simd>(bias + v * W) : V{};
 
   const T* a = t.a;
   const T* b = t.b;
@@ -90,6 +90,17 @@ void tile(const TileArgs<typename Simd::T>& t) {
     b += t.b_k_stride;
   }
 
+  // A later K block's sum joins C only now, rather than the k loop starting from C:
+  // each element then rounds its K as blocked sums (error growing with KC and the
+  // number of blocks) rather than as one chain K long. Measured here (float32, 64x32
+  // outputs, rms error relative to float64, one chain -> blocked): K = 4096 1.14e-6 ->
+  // 4.1e-7, K = 65536 4.6e-6 -> 4.7e-7 (torch 3.5e-7, 3.9e-7); speed unchanged or up
+  // to 0.7% faster (1 thread, 1024^3 and 2048^3, forward, dX and dW).
+  if (t.accumulate)
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i)
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) acc[i][v] += load<Simd>(c + i * ldc + v * W);
   if (t.relu)
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i)
