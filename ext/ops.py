@@ -1,8 +1,10 @@
-"""The Python side of the ext ops: fake kernels (for torch.compile) and `linear`,
-which gives torch.ops.ext.linear the full F.linear contract.
+"""The Python side of the ext ops: fake kernels (for torch.compile), a vmap rule, and
+`linear`, which gives torch.ops.ext.linear the full F.linear contract.
 
 The ops themselves (schemas, kernels and autograd) live in ext/csrc; they take 2-D
-operands only. Autograd is C++ (ext/csrc/autograd.cpp) so that no step enters Python.
+operands only. Autograd is C++ (ext/csrc/autograd.cpp) so that no step enters Python;
+only under torch.func transforms and forward-mode AD, which C++ autograd cannot serve,
+does a Python autograd.Function take over (_TransformableLinear).
 """
 from __future__ import annotations
 
