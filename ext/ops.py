@@ -163,6 +163,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     op = _transformable_linear if _transforms_active() else _LINEAR
     if _is_plain_2d(input, weight, bias):  # every layer, every step: kept to a few checks and one call
         return op(input, weight, bias)
+    if _bias_to_broadcast(weight, bias):
+        return _add_broadcast_bias(_apply(op, input, weight, None), input, bias)
     return _apply(op, input, weight, bias)
 
 
@@ -177,7 +179,32 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     op = _transformable_linear_relu if _transforms_active() else _LINEAR_RELU
     if _is_plain_2d(input, weight, bias):
         return op(input, weight, bias)
+    if _bias_to_broadcast(weight, bias):  # the bias joins after the product, so the ReLU does too
+        return torch.relu(linear(input, weight, bias))
     return _apply(op, input, weight, bias)
+
+
+def _bias_to_broadcast(weight, bias) -> bool:
+    """A bias F.linear takes but the op does not: any shape other than (out_features,) or one
+    element, such as (1, out_features), or (batch, out_features) with a 2-D input."""
+    if not isinstance(bias, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() not in (1, 2):
+        return False  # _apply names what is wrong
+    out_features = weight.shape[0] if weight.dim() == 2 else 1
+    return tuple(bias.shape) != (out_features,) and not (bias.dim() <= 1 and bias.numel() == 1)
+
+
+def _add_broadcast_bias(output, input, bias):
+    """output + bias as F.linear adds it: broadcast to the output, whose shape must not change
+    (a 1-D input counts as one row)."""
+    shape = (1, *output.shape) if input.dim() == 1 else output.shape
+    try:
+        broadcasts = torch.broadcast_shapes(bias.shape, shape) == shape
+    except RuntimeError:
+        broadcasts = False
+    if not broadcasts:
+        raise RuntimeError(f"ext.linear: bias of shape {list(bias.shape)} does not broadcast to the output's "
+                           f"shape {list(shape)}; give it shape [{output.shape[-1] if output.dim() else 1}]")
+    return (output.reshape(shape) + bias).reshape(output.shape)
 
 
 def _apply(op, input, weight, bias):

@@ -106,6 +106,7 @@ def test_matches_torch_with_large_k(M, N, dtype):
 
 # ---- the F.linear contract: every input shape F.linear accepts ----
 
+
 CONTRACT_CASES = {
     "1-D input": ((7,), (5, 7), True),
     "1-D input, no bias": ((7,), (5, 7), False),
@@ -135,6 +136,19 @@ def test_f_linear_contract(case, dtype):
 def test_one_element_bias_broadcasts_like_f_linear(bias_shape):
     input, weight = torch.randn(4, 7, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
     check_against_torch(ext.linear, F.linear, input, weight, torch.randn(bias_shape, dtype=torch.float64))
+
+
+# (input, bias) shapes with weight (5, 7): biases F.linear broadcasts to the output
+BROADCAST_BIASES = [((4, 7), (1, 5)), ((4, 7), (4, 5)), ((4, 7), (1, 1)), ((2, 4, 7), (1, 5)), ((2, 4, 7), (4, 5)),
+                    ((7,), (1, 5)), ((0, 7), (1, 5))]
+
+
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
+                         ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("input_shape, bias_shape", BROADCAST_BIASES, ids=str)
+def test_biases_that_broadcast_like_f_linear(fn, reference, input_shape, bias_shape):
+    input, weight = torch.randn(input_shape, dtype=torch.float64), torch.randn(5, 7, dtype=torch.float64)
+    check_against_torch(fn, reference, input, weight, torch.randn(bias_shape, dtype=torch.float64))
 
 
 def test_non_contiguous_views():
@@ -256,10 +270,6 @@ def test_relu_gradient_at_nan_outputs_matches_torch():
 
 # ---- torch.func transforms and forward-mode AD ----
 
-def _relu_linear(input, weight, bias):
-    return F.relu(F.linear(input, weight, bias))
-
-
 def _forward_ad_tangent(fn, input, weight, bias):
     with torch.autograd.forward_ad.dual_level():
         dual_input = torch.autograd.forward_ad.make_dual(input, torch.ones_like(input))
@@ -294,7 +304,7 @@ def vmap_needs_batching_rules():
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, _relu_linear)],
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
                          ids=["linear", "linear_relu"])
 def test_torch_func_transforms_match_f_linear(fn, reference, transform, vmap_needs_batching_rules):
     # The ops' C++ autograd has no jvp and no functorch support: ext.linear switches to a
@@ -409,9 +419,11 @@ ERROR_CASES = {
                                      RuntimeError, "input has 3 features but weight expects 5 (input shape "
                                                    "[6, 2, 3], weight shape [5])"),
     "bias shape, 3-D": (lambda: ext.linear(*_floats((6, 2, 3), (4, 3), (5,))),
-                        RuntimeError, "bias must have shape [4] to match weight, got [5]"),
+                        RuntimeError, "bias of shape [5] does not broadcast to the output's shape [6, 2, 4]"),
     "bias shape": (lambda: ext.linear(*_floats((2, 3), (4, 3), (5,))),
-                   RuntimeError, "bias must have shape [4] to match weight, got [5]"),
+                   RuntimeError, "bias of shape [5] does not broadcast to the output's shape [2, 4]; give it shape [4]"),
+    "bias shape, 2-D": (lambda: ext.linear(*_floats((2, 3), (4, 3), (3, 4))),
+                        RuntimeError, "bias of shape [3, 4] does not broadcast to the output's shape [2, 4]"),
     "3-D weight": (lambda: ext.linear(*_floats((2, 3), (4, 3, 1))),
                    RuntimeError, "weight must be 2-D (out_features x in_features) or 1-D"),
     "input not a tensor": (lambda: ext.linear([[1.0, 2.0]], torch.randn(3, 2)),
