@@ -189,13 +189,14 @@ def to_markdown(sweep_dir, rows, pairs):
     return text
 
 
-def summarize_sweep(sweep_dir):
-    """Write summary.csv and summary.md into `sweep_dir`; return the markdown.
+def summarize_sweep(sweep_dir, rows=None):
+    """Write summary.csv and summary.md into `sweep_dir` from `rows` (job_rows(sweep_dir) unless given);
+    return the markdown.
 
     Example:
         >>> print(summarize_sweep("outputs/multirun/2026-11-22/10-00-00.000"))
     """
-    rows = job_rows(sweep_dir)
+    rows = job_rows(sweep_dir) if rows is None else rows
     pairs = linear_pairs(rows)
     markdown = to_markdown(sweep_dir, rows, pairs)
     write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, pairs))
@@ -220,8 +221,9 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.is_dir():
             return
-        print(summarize_sweep(sweep_dir), flush=True)
-        failed = [row["job"] for row in job_rows(sweep_dir) if "error" in row]
+        rows = job_rows(sweep_dir)
+        print(summarize_sweep(sweep_dir, rows), flush=True)
+        failed = [row["job"] for row in rows if "error" in row]
         if failed:
             print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
                   f"{sweep_dir / MARKDOWN_NAME})", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@
 Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard events and last.pt.
 """
 import difflib
+import functools
 import hashlib
 import inspect
 import itertools
@@ -126,7 +127,7 @@ def check_command_line(argv):
         fail(" ".join(str(error).split()))
     for override in overrides:
         key = override.get_key_element().lstrip("+~")
-        if override.is_add() and not key.startswith("hydra") and key not in dotted_keys(config_keys()):
+        if override.is_add() and not key.startswith("hydra") and key not in known_settings():
             # +trainer.epoch=3 (Hydra's own advice for a misspelt key) adds a setting nothing reads
             fail(unknown_key_message(f"Could not override '{key}'"))
     jobs = []
@@ -155,10 +156,15 @@ def unknown_key_message(hydra_message):
     if not match:
         return None
     key = match.group(1)
-    known = dotted_keys(config_keys())
-    guess = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    guess = difflib.get_close_matches(key, known_settings(), n=1, cutoff=0.6)
     meant = f"; did you mean {guess[0]}?" if guess else ""
     return f"{key} is not a setting{meant} (python train.py --cfg job lists them all)"
+
+
+@functools.cache
+def known_settings():
+    """Every setting's dotted name (see config_keys); read once, as it loads every option's file."""
+    return tuple(dotted_keys(config_keys()))
 
 
 def config_keys():
