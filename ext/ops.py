@@ -59,10 +59,26 @@ _LINEAR_RELU = torch.ops.ext.linear_relu.default
 def _is_plain_2d(input, weight, bias) -> bool:
     """The shapes the 2-D op takes as they are: no flattening or broadcasting needed."""
     try:
-        return input.ndim == 2 and weight.ndim == 2 and (bias is None or (bias.ndim == 1 and
-                                                                           bias.shape[0] == weight.shape[0]))
+        return input.ndim == 2 and weight.ndim == 2 and not input.is_nested and (
+            bias is None or (bias.ndim == 1 and bias.shape[0] == weight.shape[0]))
     except AttributeError:  # not tensors: _apply says which
         return False
+
+
+def _nested(linear_fn, input, weight, bias):
+    """linear_fn on a nested tensor, as nn.Linear takes one. A jagged tensor ragged in its
+    second dimension holds its components as the rows of values(): they go through one product,
+    and the result keeps the input's offsets, so it adds to tensors of the same structure.
+    Other nested tensors go component by component."""
+    if input.layout == torch.jagged:
+        if input._ragged_idx == input.dim() - 1 or input.shape[-1] != weight.shape[-1]:
+            raise RuntimeError(f"ext.linear: input has shape {list(input.shape)} but weight expects "
+                               f"{weight.shape[-1]} features in every component (weight shape {list(weight.shape)})")
+        if input._ragged_idx == 1:
+            return torch.nested.nested_tensor_from_jagged(linear_fn(input.values(), weight, bias),
+                                                           offsets=input.offsets(), lengths=input.lengths())
+    outputs = [linear_fn(component, weight, bias) for component in input.unbind()]
+    return torch.nested.as_nested_tensor(outputs, layout=input.layout)
 
 
 class _TransformableLinear(torch.autograd.Function):
@@ -163,6 +179,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     op = _transformable_linear if _transforms_active() else _LINEAR
     if _is_plain_2d(input, weight, bias):  # every layer, every step: kept to a few checks and one call
         return op(input, weight, bias)
+    if getattr(input, "is_nested", False):
+        return _nested(linear, input, weight, bias)
     if _bias_to_broadcast(weight, bias):
         return _add_broadcast_bias(_apply(op, input, weight, None), input, bias)
     return _apply(op, input, weight, bias)
@@ -179,6 +197,8 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     op = _transformable_linear_relu if _transforms_active() else _LINEAR_RELU
     if _is_plain_2d(input, weight, bias):
         return op(input, weight, bias)
+    if getattr(input, "is_nested", False):
+        return _nested(linear_relu, input, weight, bias)
     if _bias_to_broadcast(weight, bias):  # the bias joins after the product, so the ReLU does too
         return torch.relu(linear(input, weight, bias))
     return _apply(op, input, weight, bias)

@@ -151,6 +151,54 @@ def test_biases_that_broadcast_like_f_linear(fn, reference, input_shape, bias_sh
     check_against_torch(fn, reference, input, weight, torch.randn(bias_shape, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
+                         ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("layout, component_shapes", [
+    (torch.jagged, [(2, 7), (5, 7), (1, 7)]),
+    (torch.jagged, [(2, 3, 7), (4, 3, 7)]),  # more dimensions after the ragged one
+    (torch.strided, [(2, 7), (5, 7)]),
+], ids=str)
+def test_nested_inputs_like_f_linear(fn, reference, layout, component_shapes):
+    """nn.Linear takes nested tensors (variable-length sequences); so do we: values and every
+    gradient against torch's, in float64."""
+    components = [torch.randn(shape, dtype=torch.float64) for shape in component_shapes]
+    weight = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    grad_outputs = None
+    results = []
+    for linear in (fn, reference):
+        input = torch.nested.nested_tensor(components, layout=layout, requires_grad=True)
+        output = linear(input, weight, bias)
+        assert output.is_nested and output.layout == layout
+        outputs = output.unbind()
+        grad_outputs = grad_outputs or [torch.randn_like(out) for out in outputs]
+        loss = sum((out * grad).sum() for out, grad in zip(outputs, grad_outputs))
+        grads = torch.autograd.grad(loss, (input, weight, bias))
+        results.append((outputs, grads[0].unbind(), grads[1:]))
+    (ours, our_input_grads, our_grads), (theirs, their_input_grads, their_grads) = results
+    for a, b in zip([*ours, *our_input_grads, *our_grads], [*theirs, *their_input_grads, *their_grads]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_nested_input_of_1d_components_is_not_taken_for_a_2d_input():
+    # Its dim() is 2, as a plain 2-D input's; torch's F.linear refuses it, ours maps each component.
+    components = _floats((7,), (7,), dtype=torch.float64)
+    weight, bias = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    output = ext.linear(torch.nested.nested_tensor(components), weight, bias)
+    assert output.is_nested
+    for out, component in zip(output.unbind(), components):
+        torch.testing.assert_close(out, F.linear(component, weight, bias), rtol=1e-12, atol=1e-12)
+
+
+def test_jagged_output_keeps_the_input_structure():
+    """A jagged output shares the input's offsets, so it adds to tensors of the same structure
+    (a residual connection), as F.linear's does."""
+    input = torch.nested.nested_tensor(_floats((2, 7), (5, 7)), layout=torch.jagged)
+    output = ext.linear(input, torch.randn(7, 7))
+    assert output.shape == input.shape and (output + input).shape == input.shape
+    assert output.offsets() is input.offsets()
+
+
 def test_non_contiguous_views():
     input = torch.randn(2, 9, 20, dtype=torch.float64)[:, ::2, 1:15:2]  # (2, 5, 7), strided
     weight = torch.randn(7, 12, dtype=torch.float64)[:, ::2].t()  # (6, 7), transposed and strided
@@ -440,6 +488,29 @@ ERROR_CASES = {
                                RuntimeError, "grad_output shape [2, 4] does not match input shape [3, 3]"),
     "backward_bias 1-D": (lambda: torch.ops.ext.linear_backward_bias(torch.randn(4)),
                           RuntimeError, "grad_output must be 2-D"),
+    # Dense GEMM kernels: other layouts are named, with how to make them dense (F.linear takes some)
+    "sparse COO input": (lambda: ext.linear(torch.randn(2, 3).to_sparse(), torch.randn(4, 3)),
+                         RuntimeError, "ext.linear: input's layout is Sparse, not Strided; its kernels take dense "
+                                       "(strided) tensors: pass input.to_dense()"),
+    "sparse CSR weight": (lambda: ext.linear_relu(torch.randn(2, 3), torch.randn(4, 3).to_sparse_csr()),
+                          RuntimeError, "ext.linear_relu: weight's layout is SparseCsr, not Strided"),
+    "sparse input requiring grad": (lambda: ext.linear(torch.randn(2, 3).to_sparse().requires_grad_(),
+                                                       torch.randn(4, 3, requires_grad=True)),
+                                    RuntimeError, "input's layout is Sparse, not Strided"),
+    "sparse grad_output": (lambda: torch.ops.ext.linear_backward_weight(torch.randn(2, 4).to_sparse(),
+                                                                        torch.randn(2, 3)),
+                           RuntimeError, "ext.linear_backward_weight: grad_output's layout is Sparse"),
+    "mkldnn input": (lambda: ext.linear(torch.randn(2, 3).to_mkldnn(), torch.randn(4, 3)),
+                     RuntimeError, "input's layout is Mkldnn, not Strided; its kernels take dense (strided) "
+                                   "tensors: pass input.to_dense()"),
+    "quantized input": (lambda: ext.linear(torch.quantize_per_tensor(torch.randn(2, 3), 0.1, 0, torch.qint8),
+                                           torch.randn(4, 3)),
+                        RuntimeError, "input is a quantized tensor (QInt8); its kernels take float tensors: "
+                                      "pass input.dequantize()"),
+    "nested, feature mismatch": (lambda: ext.linear(torch.nested.nested_tensor(_floats((2, 5), (3, 5)),
+                                                                               layout=torch.jagged),
+                                                    torch.randn(4, 3)),
+                                 RuntimeError, "but weight expects 3 features in every component"),
     "unknown cpu path": (lambda: torch.ops.ext.set_cpu_path("sse9"),
                          RuntimeError, "unknown path 'sse9'; use 'portable', 'avx2+fma' or 'avx512'"),
 }

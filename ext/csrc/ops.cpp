@@ -111,6 +111,35 @@ at::Tensor linear_autocast_cpu(const at::Tensor& input, const at::Tensor& weight
                  at::autocast::cached_cast(at::kFloat, bias, c10::DeviceType::CPU));
 }
 
+// Sparse, quantized and MKL-DNN tensors reach the ops under their own dispatch keys; rather than
+// the dispatcher's 40-line "could not run with the SparseCPU backend", one line names the operand
+// and how to make it a dense one. (F.linear takes sparse and MKL-DNN inputs; our kernels are dense
+// GEMMs, and densifying silently could exhaust memory on a large sparse input.)
+void dense_only(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const auto values = torch::jit::last(*stack, arguments.size());
+  std::string name = op.schema().name();
+  name.replace(name.find("::"), 2, ".");
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    if (!values[i].isTensor()) continue;
+    const at::Tensor& t = values[i].toTensor();
+    const std::string& arg = arguments[i].name();
+    TORCH_CHECK(!t.is_quantized(), name, ": ", arg, " is a quantized tensor (", t.scalar_type(),
+                "); its kernels take float tensors: pass ", arg, ".dequantize()");
+    TORCH_CHECK(t.layout() == at::kStrided, name, ": ", arg, "'s layout is ", t.layout(), ", not Strided; its kernels take "
+                "dense (strided) tensors: pass ", arg, ".to_dense()");
+  }
+  TORCH_CHECK(false, name, ": its kernels take dense (strided) tensors only");
+}
+
+// The ops that take tensors; the path and peak ops take none.
+constexpr const char* kTensorOps[] = {"linear", "linear_relu", "linear_backward_input", "linear_backward_weight",
+                                      "linear_backward_bias"};
+
+void refuse_non_dense(torch::Library& m) {
+  for (const char* name : kTensorOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&dense_only>());
+}
+
 #ifndef LINEAR_LAB_WITH_CUDA
 // A CPU-only build still answers CUDA tensors, with how to get CUDA kernels
 // instead of the dispatcher's generic "could not run with the CUDA backend".
@@ -143,6 +172,14 @@ TORCH_LIBRARY_IMPL(ext, CPU, m) {
   m.impl("linear_backward_bias", &linear_backward_bias_cpu);
 }
 
+TORCH_LIBRARY_IMPL(ext, SparseCPU, m) { refuse_non_dense(m); }
+TORCH_LIBRARY_IMPL(ext, SparseCsrCPU, m) { refuse_non_dense(m); }
+TORCH_LIBRARY_IMPL(ext, QuantizedCPU, m) { refuse_non_dense(m); }
+TORCH_LIBRARY_IMPL(ext, MkldnnCPU, m) { refuse_non_dense(m); }
+TORCH_LIBRARY_IMPL(ext, SparseCUDA, m) { refuse_non_dense(m); }
+TORCH_LIBRARY_IMPL(ext, SparseCsrCUDA, m) { refuse_non_dense(m); }
+TORCH_LIBRARY_IMPL(ext, QuantizedCUDA, m) { refuse_non_dense(m); }
+
 TORCH_LIBRARY_IMPL(ext, AutocastCPU, m) {
   m.impl("linear", &linear_autocast_cpu<false>);
   m.impl("linear_relu", &linear_autocast_cpu<true>);
@@ -150,10 +187,7 @@ TORCH_LIBRARY_IMPL(ext, AutocastCPU, m) {
 
 #ifndef LINEAR_LAB_WITH_CUDA
 TORCH_LIBRARY_IMPL(ext, CUDA, m) {
-  for (const char* name : {"linear", "linear_relu", "linear_backward_input", "linear_backward_weight",
-                           "linear_backward_bias"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
-  }
+  for (const char* name : kTensorOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 #endif
 
