@@ -202,8 +202,10 @@ def test_simd_paths_agree_with_portable(dtype):
             torch.testing.assert_close(ours, portable, **tolerance(dtype, depth))
 
 
-# Shapes above the parallel threshold, split by columns (wide N) and by rows (N = 10).
-DETERMINISM_SHAPES = [(128, 256, 784), (1000, 10, 600)]
+# Shapes above the parallel threshold, split by columns (wide N, or more rows than columns
+# with A read in place: the forward and dX of (512, 256, 300)) and by rows (N = 10; dW of
+# (64, 600, 40), whose A, dYᵀ, is packed, and whose 600 rows outnumber its 40 columns).
+DETERMINISM_SHAPES = [(128, 256, 784), (1000, 10, 600), (512, 256, 300), (64, 600, 40)]
 
 
 @pytest.mark.parametrize("path", PATHS)
