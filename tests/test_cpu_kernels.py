@@ -36,7 +36,7 @@ MAX_SINGLE_K_BLOCK = {torch.float32: 800, torch.float64: 400}
 MC = {"avx512": 240, "avx2+fma": 120, "portable": 120}  # rows of a packed A block, per path
 NC = 3072
 SINGLE_BLOCK_BYTES = {"avx512": 512 * 1024, "avx2+fma": 256 * 1024, "portable": 256 * 1024}  # gemm.cpp single_block_bytes
-MANY_ROWS_MIN_ROWS = 256  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
+MANY_ROWS_MIN_ROWS = 512  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 # Both operands read in place and B's block at most this many bytes: row tiles run outermost (gemm.cpp)
 ROWS_OUTER_MAX_B_BYTES = 48 * 1024 // 2

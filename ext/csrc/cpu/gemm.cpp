@@ -93,10 +93,16 @@ constexpr int64_t kNC = 3072;
 
 // From this many rows of C on, the path's many-rows tile runs (AVX-512 float:
 // 6x64 instead of 8x48, see microkernel_avx512.cpp). Measured here (1 thread,
-// GFLOP/s, 8x48 -> 6x64): forward 256x784->256 170 -> 171, 512x784->256
-// 175 -> 183, 1024^3 175 -> 182; dW with 256 rows 166 -> 171; but at 128 rows
-// dX 128x784->256 163 -> 141 (a ragged last row panel, 128 = 21 x 6 + 2).
-constexpr int64_t kManyRowsMinRows = 256;
+// GFLOP/s, 8x48 -> 6x64): forward 512x784->256 175 -> 183, 1024^3 175 -> 182;
+// but at 128 rows dX 128x784->256 163 -> 141 (a ragged last row panel, 128 =
+// 21 x 6 + 2). At 256 rows neither wins everywhere, and the dW of the MLP layers
+// (256 rows) is faster with 8x48: 784 columns leave 6x64 a one-vector panel that
+// 6 rows keep only 6 FMA chains busy (8x48's has 8). Measured (1 thread, single
+// calls alternating, median of the paired ratios 6x64 / 8x48): dW 128x784->256
+// 1.027, 512x784->256 1.022, 128x256->256 1.005, 512x256->256 1.000; at 256 rows
+// forward 256x784->256 0.997, its dX 1.039, 256x256->256 1.000 and 0.984; at 512
+// rows forward 512x784->256 0.977, 512x256->256 0.970, dX 512x256->256 0.961.
+constexpr int64_t kManyRowsMinRows = 512;
 
 // Up to this many rows of C (16 row tiles of 8) a row-major B is read in place
 // rather than packed. Measured here (1 thread): dX 128x784->256 320 -> 304 us,

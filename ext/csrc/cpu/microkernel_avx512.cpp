@@ -4,9 +4,10 @@
 // than 8 x 2 (the tile before): 24 FMAs per 11 or 10 loads instead of 16 per
 // 10. Measured here alone on packed panels (KC = 512, 1 thread): 8x32 196,
 // 8x48 212-215, 6x64 205-212 GFLOP/s. In the GEMM, 6x64 is the faster one at
-// 256 rows and more (forward 1024^3 175 -> 182, 8x48's 175), but at 128 rows
+// 512 rows and more (forward 1024^3 175 -> 182, 8x48's 175), but at 128 rows
 // its ragged last row panel (128 = 21 x 6 + 2) cost dX 128x784->256 12%
-// against 8x48, which never has a ragged row panel at the batch sizes we run.
+// against 8x48, which never has a ragged row panel at the batch sizes we run
+// (gemm.cpp kManyRowsMinRows has the measurements at 256 rows).
 // double keeps 8 x 2 vectors (not measured against others).
 #include "microkernel.h"
 
