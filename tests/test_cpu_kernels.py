@@ -40,6 +40,7 @@ MANY_ROWS_MIN_ROWS = 512  # from this many rows of C the many-rows tile runs (ge
 B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
 # Both operands read in place and B's block at most this many bytes: row tiles run outermost (gemm.cpp)
 ROWS_OUTER_MAX_B_BYTES = 48 * 1024 // 2
+L2_BYTES = 2 * 1024 * 1024  # gemm.cpp kL2Bytes: a C larger than this with rows a page apart is written by rows
 PARALLEL_MIN_FLOPS = 5e5  # below this the GEMM runs on one thread (gemm.h kParallelMinFlops)
 
 # torch's own CPU feature detection decides which of our paths this machine must run.
@@ -123,6 +124,12 @@ def boundary_shapes(path, dtype):
     shapes += [(MANY_ROWS_MIN_ROWS + 1, n, 5) for n in (many_nr - 1, many_nr, many_nr + lanes + 1, NC + 1)]
     shapes += [(MANY_ROWS_MIN_ROWS + many_mr + 1, many_nr + v * lanes, k)
                for v in range(1, many_nr // lanes) for k in (kc, 2 * kc + 1)]
+    # C's rows a page apart: on each side of the C size (L2) from which its row tiles run outermost over a
+    # B packed whole (float64 also with two K blocks, whose B block still fits half of L2).
+    page_cols = 4096 // dtype.itemsize
+    wide_n = page_cols + lanes + 1 if dtype == torch.float32 else page_cols
+    rows_over_l2 = L2_BYTES // (wide_n * dtype.itemsize) + 1
+    shapes += [(m, wide_n, k) for m in (rows_over_l2 - 1, rows_over_l2 + mr + 1) for k in (5, two_k_blocks)]
     # dX of a 10-class head (its K = 10): B's block (10 x in) on each side of the bytes that run row tiles outermost.
     rows_outer_max_cols = ROWS_OUTER_MAX_B_BYTES // (10 * dtype.itemsize)
     shapes += [(m, 10, k) for m in (mr + 1, B_IN_PLACE_MAX_ROWS) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
