@@ -66,8 +66,8 @@ bool side_by_side(int64_t batch, int64_t out_features, int64_t in_features) {
 // bit-identical. Only from kSharedInputMinFlops, where a chunk's own setup is lost in it.
 // Measured (2 threads, fwd+bwd, single calls alternating with the unshared backward, median of
 // the paired ratios): 128x2048->1000 0.975 and 1.001 in two runs (the second while the dW
-// thread's core ran slow, when no help can flow), 1024^3 0.995, 512x784->256 0.999 and 0.998,
-// 512x256->256 0.998.
+// thread's core ran slow, when no help can flow), 1024^3 0.995, 2048^3 0.980, 512x784->256
+// 0.999 and 0.998, 512x256->256 0.998.
 constexpr int64_t kSharedInputChunkColumns = 192;
 constexpr double kSharedInputMinFlops = 64e6;
 
