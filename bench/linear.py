@@ -13,16 +13,9 @@ With --products it times instead each product of a training step alone, through
 the raw ops (no autograd): the forward Y = X·Wᵀ + b, dX = dY·W, dW = dYᵀ·X and
 db = the sum of dY's rows, against the torch calls that compute the same.
 
-With --paired SECONDS (CPU) it alternates single calls of the two for that long per
-pass, torch first in one pair and ext first in the next, and reports the median of
-the pairs' time ratios and their middle half: a busy moment on a shared machine
-slows both calls of a pair alike, so this ratio moves less from run to run than
-the ratio of separately timed rounds.
-
 Example:
     python -m bench.linear --threads all,1 --markdown bench_linear.md
     python -m bench.linear --products --threads 1 --shapes '128x784->256'
-    python -m bench.linear --paired 3 --threads all
 """
 from __future__ import annotations
 
@@ -31,7 +24,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +59,6 @@ class Row:
     ext_s: float
     peak_gflops: float | None
     round_ratios: tuple[float, ...]  # torch/ext of each round's medians
-    pair_ratios: tuple[float, ...] = ()  # --paired: torch/ext of each pair of single calls
 
     @property
     def flops(self) -> float:
@@ -76,14 +67,7 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return statistics.median(self.pair_ratios) if self.pair_ratios else self.torch_s / self.ext_s
-
-    def ratio_spread(self) -> str:
-        """The rounds' lowest and highest ratio, or with --paired the middle half of the pairs' ratios."""
-        if self.pair_ratios:
-            quartiles = statistics.quantiles(self.pair_ratios, n=4) if len(self.pair_ratios) > 1 else self.pair_ratios * 3
-            return ratio_range([quartiles[0], quartiles[-1]])
-        return ratio_range(self.round_ratios)
+        return self.torch_s / self.ext_s
 
     def gflops(self, seconds: float) -> float:
         return self.flops / seconds / 1e9
@@ -93,13 +77,11 @@ class Row:
         gflops = [f"{self.gflops(s):.0f}" if self.flops else "-" for s in (self.torch_s, self.ext_s)]
         peak = f"{100 * self.gflops(self.ext_s) / self.peak_gflops:.0f}%" if self.peak_gflops and self.flops else "-"
         return [f"{m}x{k}->{n}", self.pass_name, f"{self.torch_s * 1e3:.3f}", f"{self.ext_s * 1e3:.3f}",
-                *gflops, f"{self.ratio:.2f}", self.ratio_spread(), peak]
+                *gflops, f"{self.ratio:.2f}", ratio_range(self.round_ratios), peak]
 
 
 HEADER = ["shape (batch x in->out)", "pass", "torch ms", "ext ms", "torch GFLOP/s", "ext GFLOP/s",
           "torch/ext", "by round", "ext % of FMA peak"]
-# --paired: times are medians of single calls, the spread the middle half of the pairs' ratios.
-PAIRED_HEADER = HEADER[:7] + ["middle half", HEADER[8]]
 
 
 def ratio_range(ratios) -> str:
@@ -140,28 +122,6 @@ def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> di
     return samples
 
 
-def time_paired(torch_call, ext_call, seconds: float) -> tuple[list[float], list[float]]:
-    """Seconds of single calls of each, alternating for about `seconds` (at least one pair), torch
-    first in even pairs and ext first in odd ones, so neither always runs on the other's warm caches."""
-    torch_call(), ext_call()  # warm-up: first-call allocations and lazy initialisation
-    times = {torch_call: [], ext_call: []}
-    end = time.perf_counter() + seconds
-    while not times[torch_call] or time.perf_counter() < end:
-        order = (torch_call, ext_call) if len(times[torch_call]) % 2 == 0 else (ext_call, torch_call)
-        for call in order:
-            start = time.perf_counter()
-            call()
-            times[call].append(time.perf_counter() - start)
-    return times[torch_call], times[ext_call]
-
-
-def compare_paired(pass_name, shape, device, threads_label, peak_gflops, torch_times, ext_times) -> Row:
-    """A row from paired single calls: each side's median time, and the median of the pairs' ratios."""
-    pair_ratios = tuple(t / e for t, e in zip(torch_times, ext_times))
-    return Row(device, threads_label, shape, pass_name, statistics.median(torch_times),
-               statistics.median(ext_times), peak_gflops, (), pair_ratios)
-
-
 def compare(pass_name, shape, device, threads_label, peak_gflops, torch_rounds, ext_rounds) -> Row:
     """A row from each side's block times per round. A side's time is the median of its round medians, so
     the ratio of the two always lies within the range of the rounds' own ratios."""
@@ -172,8 +132,7 @@ def compare(pass_name, shape, device, threads_label, peak_gflops, torch_rounds, 
                statistics.median(ext_medians), peak_gflops, round_ratios)
 
 
-def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds, products=False,
-                paired_s=None) -> list[Row]:
+def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds, products=False) -> list[Row]:
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=gen, requires_grad=True)
@@ -187,12 +146,8 @@ def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, round
         pairs = {pass_name: (torch_calls[pass_name], ext_calls[pass_name]) for pass_name in PASSES}
     rows = []
     for pass_name, (torch_call, ext_call) in pairs.items():
-        if paired_s:
-            torch_times, ext_times = time_paired(torch_call, ext_call, paired_s)
-            rows.append(compare_paired(pass_name, shape, device, threads_label, peak_gflops, torch_times, ext_times))
-        else:
-            times = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
-            rows.append(compare(pass_name, shape, device, threads_label, peak_gflops, times["torch"], times["ext"]))
+        times = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
+        rows.append(compare(pass_name, shape, device, threads_label, peak_gflops, times["torch"], times["ext"]))
     return rows
 
 
@@ -204,8 +159,6 @@ def geomean(values) -> float:
 def geomean_text(rows: list[Row]) -> str:
     """The geometric mean of the rows' ratios, and the lowest and highest geometric mean of one round's
     ratios (round r of every row): what a single round would have reported."""
-    if any(r.pair_ratios for r in rows):
-        return f"{geomean(r.ratio for r in rows):.2f} (of the paired medians)"
     per_round = [geomean(ratios) for ratios in zip(*(r.round_ratios for r in rows))]
     return f"{geomean(r.ratio for r in rows):.2f} (by round {ratio_range(per_round)})"
 
@@ -222,13 +175,13 @@ def summary_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
-def format_text(rows: list[Row], header=HEADER) -> str:
-    """Rows as fixed-width text lines (the widths of the header), so rows print as they finish."""
-    return "\n".join("  ".join(cell.rjust(max(len(title), 8)) for cell, title in zip(r.cells(), header)) for r in rows)
+def format_text(rows: list[Row]) -> str:
+    """Rows as fixed-width text lines (the widths of HEADER), so rows print as they finish."""
+    return "\n".join("  ".join(cell.rjust(max(len(title), 8)) for cell, title in zip(r.cells(), HEADER)) for r in rows)
 
 
-def format_markdown(rows: list[Row], header=HEADER) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def format_markdown(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
     return "\n".join(lines)
 
@@ -262,14 +215,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '128x256->10,512x784->256'")
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
-    parser.add_argument("--paired", type=float, metavar="SECONDS",
-                        help="CPU: alternate single torch and ext calls for SECONDS per pass; report the median "
-                             "of the pairs' ratios (steadier on a shared machine)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
     args = parser.parse_args(argv)
-    if args.paired is not None and args.paired <= 0:
-        parser.error(f"--paired takes a positive number of seconds, got {args.paired}")
-    cpu_header = PAIRED_HEADER if args.paired else HEADER
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
@@ -284,16 +231,15 @@ def main(argv=None) -> None:
         torch.set_num_threads(count)
         peak = torch.ops.ext.fma_peak_gflops(count)
         title = f"CPU, {count} thread{'s' if count > 1 else ''} (measured FMA peak {peak:.0f} GFLOP/s)"
-        print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in cpu_header), flush=True)
+        print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
         rows = []
         for shape in shapes:
-            shape_rows = bench_shape(shape, "cpu", str(count), peak, min_run_time_s, rounds, args.products,
-                                     args.paired)
-            print(format_text(shape_rows, cpu_header), flush=True)
+            shape_rows = bench_shape(shape, "cpu", str(count), peak, min_run_time_s, rounds, args.products)
+            print(format_text(shape_rows), flush=True)
             rows += shape_rows
         summary = summary_lines(rows)
         print("\n".join(summary))
-        markdown += [f"### {title}", "", format_markdown(rows, cpu_header), ""] + [f"- {s}" for s in summary] + [""]
+        markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
 
     if torch.cuda.is_available():
         torch.set_num_threads(os.cpu_count())

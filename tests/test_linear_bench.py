@@ -57,34 +57,3 @@ def test_geomeans_come_with_their_range_over_rounds():
     # both ratios are 2; one round's geomean over the two shapes is 2, 1.41 or 2
     assert bench_linear.summary_lines(rows) == [
         "geomean torch/ext, fwd+bwd: all shapes 2.00 (by round 1.41-2.00), MLP shapes 2.00 (by round 1.00-2.00)"]
-
-
-def test_paired_calls_alternate_which_side_goes_first():
-    order = []
-    torch_times, ext_times = bench_linear.time_paired(lambda: order.append("torch"), lambda: order.append("ext"),
-                                                      seconds=0.01)
-    assert order[:2] == ["torch", "ext"]  # the warm-up
-    pairs = [tuple(order[i:i + 2]) for i in range(2, len(order), 2)]
-    assert pairs[:3] == [("torch", "ext"), ("ext", "torch"), ("torch", "ext")]
-    assert len(torch_times) == len(ext_times) == len(pairs)
-
-
-def test_paired_ratio_is_the_median_of_the_pairs_ratios():
-    # Pair 3 was disturbed on both sides; the ratio of the medians (2.0 / 1.0) would hide nothing here,
-    # but the pairs' own ratios are what is reported, with their middle half.
-    torch_times, ext_times = [2.0, 2.2, 9.0, 2.0, 2.1], [1.0, 1.0, 6.0, 1.25, 1.0]
-    row = bench_linear.compare_paired("fwd+bwd", (8, 12, 5), "cpu", "1", None, torch_times, ext_times)
-    assert row.pair_ratios == (2.0, 2.2, 1.5, 1.6, 2.1)
-    assert row.ratio == 2.0 and (row.torch_s, row.ext_s) == (2.1, 1.0)
-    assert row.ratio_spread() == "1.55-2.15"
-    assert bench_linear.summary_lines([row]) == [
-        "geomean torch/ext, fwd+bwd: all shapes 2.00 (of the paired medians)"]
-
-
-def test_paired_mode_prints_the_middle_half_column(capsys):
-    bench_linear.main(["--paired", "0.01", "--threads", "1", "--shapes", "8x12->5"])
-    shown = capsys.readouterr().out
-    assert "middle half" in shown and "by round" not in shown
-    assert "geomean torch/ext, fwd+bwd: all shapes" in shown and "(of the paired medians)" in shown
-    with pytest.raises(SystemExit):
-        bench_linear.main(["--paired", "0", "--threads", "1", "--shapes", "8x12->5"])
