@@ -110,6 +110,10 @@ constexpr int64_t kManyRowsMinRows = 512;
 // were ~4% slower in place, and reading dW's column-major A in place ~10% slower.
 constexpr int64_t kMaxRowsForBInPlace = 128;
 
+// A row-major A is read in place, never packed: gemm_slab reads it so, and gemm splits
+// threads by columns for it (each slab then packs only its own part of B).
+inline bool reads_a_in_place(int64_t a_col_stride) { return a_col_stride == 1; }
+
 CpuPath g_active_path = best_cpu_path();
 
 // Each path's table of tile and packing functions, built on the path's first use
@@ -186,7 +190,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // read in place when few row tiles reuse it; with more, the packed copy's
   // contiguous layout pays for itself. Only ragged last panels, whose padding
   // must be readable, are packed.
-  const bool read_a_in_place = a_cs == 1;
+  const bool read_a_in_place = reads_a_in_place(a_cs);
   // Read in place, B's block is re-read from its scattered rows by every row
   // tile, so it must stay in L2: half of L2 at most, and no row stride of a
   // whole 4 KiB page, which maps every row to the same few cache sets (dX of
@@ -386,12 +390,12 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const int64_t threads = small || at::in_parallel_region() ? 1 : at::get_num_threads();
   // Split the wider side: each slab re-packs the other operand's part, so split
   // where that part is smaller (A is M x K, B is K x N) while every slab has a panel.
-  // A row-major A is read in place, never packed (gemm_slab), so then the columns are
-  // split whatever the shape: in row slabs each thread would pack all of B. Measured
+  // An A read in place is never packed, so then the columns are split whatever the
+  // shape: in row slabs each thread would pack all of B. Measured
   // here (2 threads, forward, single calls alternating with the row split, median of
   // the paired ratios): 512x784->256 0.973 (fwd+bwd 0.986), 256x784->128 0.973,
   // 1024x784->256 0.977, 2048x512->512 0.985, 512x256->256 0.998.
-  const bool read_a_in_place = a_cs == 1;
+  const bool read_a_in_place = reads_a_in_place(a_cs);
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
   // Column slabs are cut at whole vectors rather than whole NR panels: a slab's
