@@ -98,8 +98,8 @@ Grads backward_cpu(const at::Tensor& grad_output, const at::Tensor& input, const
   AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear backward", [&] {
     const scalar_t* dy = grad_output.const_data_ptr<scalar_t>();
     const bool side = needs_input && needs_weight && side_by_side(M, N, K);
-    const int64_t chunk_columns = side && 2.0 * M * N * K >= kSharedInputMinFlops ? kSharedInputChunkColumns
-                                                                                   : std::max<int64_t>(K, 1);
+    const bool share_input = side && 2.0 * M * N * K >= kSharedInputMinFlops;
+    const int64_t chunk_columns = share_input ? kSharedInputChunkColumns : std::max<int64_t>(K, 1);
     const int64_t input_chunks = needs_input ? (K + chunk_columns - 1) / chunk_columns : 0;  // none when K == 0
     std::atomic<int64_t> next_input_chunk{0};
     // dX (M x K) = dY (M x N) · W (N x K), chunk by chunk until none is left.
@@ -138,7 +138,7 @@ Grads backward_cpu(const at::Tensor& grad_output, const at::Tensor& input, const
             input_and_bias_grads();
           } else {
             weight_grad();
-            if (next_input_chunk.load() < input_chunks) {  // dX chunks still left: take them
+            if (share_input && next_input_chunk.load() < input_chunks) {  // dX chunks still left: take them
               RECORD_FUNCTION("ext::linear_backward_input (shared)", std::vector<c10::IValue>());
               input_grad_chunks();
             }
