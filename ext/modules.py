@@ -1,7 +1,6 @@
 """ext.Linear, a drop-in for nn.Linear running our kernels, and replace_linears."""
-from __future__ import annotations
-
 from collections import Counter
+from typing import Optional
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -24,6 +23,10 @@ class Linear(nn.Linear):
         torch.Size([128, 256])
     """
 
+    # Typed for TorchScript, which cannot infer a type from None (nor read a postponed annotation,
+    # so this module does not import annotations from __future__).
+    activation: Optional[str]
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  activation: str | None = None):
         if activation not in ACTIVATIONS:
@@ -33,8 +36,10 @@ class Linear(nn.Linear):
         self.activation = activation
 
     def forward(self, input):
-        # Named calls, not a table lookup, so that torch.fx records one node per layer.
-        if self.activation == "relu":
+        # Named calls, not a table lookup, so that torch.fx records one node per layer. (A local
+        # tested for None first: TorchScript compares an Optional[str] only once it knows it is a str.)
+        activation = self.activation
+        if activation is not None and activation == "relu":
             return linear_relu(input, self.weight, self.bias)
         return linear(input, self.weight, self.bias)
 
@@ -43,7 +48,7 @@ class Linear(nn.Linear):
         return super().extra_repr() + activation
 
     @classmethod
-    def from_linear(cls, module: nn.Linear, activation: str | None = None) -> Linear:
+    def from_linear(cls, module: nn.Linear, activation: str | None = None) -> "Linear":
         """A new ext.Linear sharing module's weight and bias (same tensors, device and dtype).
 
         It takes none of module's hooks; ext.replace_linears converts modules in place and

@@ -168,12 +168,15 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
     input (*, in_features) with any number of leading dimensions (or 1-D), weight
     (out_features, in_features) or (in_features,), bias (out_features,), one element, or None.
+    In TorchScript (torch.jit.script), weight must be 2-D and bias (out_features,) or None.
 
     Example:
         >>> y = ext.linear(torch.randn(8, 3, 784), torch.randn(256, 784), torch.randn(256))
         >>> y.shape
         torch.Size([8, 3, 256])
     """
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
+        return _scripted_linear(input, weight, bias, False)
     if has_torch_function((input, weight, bias)):  # fx Proxies, tensor subclasses, torch function modes
         return handle_torch_function(linear, (input, weight, bias), input, weight, bias)
     op = _transformable_linear if _transforms_active() else _LINEAR
@@ -192,6 +195,8 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Example:
         >>> y = ext.linear_relu(torch.randn(128, 784), torch.randn(256, 784), torch.randn(256))
     """
+    if torch.jit.is_scripting():
+        return _scripted_linear(input, weight, bias, True)
     if has_torch_function((input, weight, bias)):
         return handle_torch_function(linear_relu, (input, weight, bias), input, weight, bias)
     op = _transformable_linear_relu if _transforms_active() else _LINEAR_RELU
@@ -202,6 +207,20 @@ def linear_relu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if _bias_to_broadcast(weight, bias):  # the bias joins after the product, so the ReLU does too
         return torch.relu(linear(input, weight, bias))
     return _apply(op, input, weight, bias)
+
+
+def _scripted_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     relu: bool) -> torch.Tensor:
+    """linear and linear_relu as TorchScript runs them (torch.jit.script of an ext.Linear, or of code
+    calling ext.linear): the op on the input's rows, leading dimensions flattened and restored. The
+    ops' C++ autograd needs no Python, so a scripted model also trains, and loads (torch.jit.load)
+    in any process that has imported ext."""
+    rows = input.unsqueeze(0) if input.dim() == 1 else input.flatten(0, -2)
+    if relu:
+        output = torch.ops.ext.linear_relu(rows, weight, bias)
+    else:
+        output = torch.ops.ext.linear(rows, weight, bias)
+    return output.squeeze(0) if input.dim() == 1 else output.unflatten(0, input.shape[:-1])
 
 
 def _bias_to_broadcast(weight, bias) -> bool:

@@ -311,3 +311,41 @@ def test_torch_compile_fullgraph_matches_eager():
     input = torch.randn(7, 12)
     compiled = torch.compile(model, fullgraph=True)
     assert_all_close(outputs_and_grads(compiled, input), outputs_and_grads(model, input), torch.float32)
+
+
+# torch.jit.script, save and load warn that TorchScript is deprecated; it still works, and so must we.
+script_is_deprecated = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.(script|save|load)` is deprecated:FutureWarning")
+
+
+@script_is_deprecated
+@pytest.mark.parametrize("shape", [(7, 12), (2, 3, 12), (12,)], ids=["2-D", "3-D", "1-D"])
+def test_torch_jit_script_matches_eager(shape):
+    torch.manual_seed(0)
+    model = nn.Sequential(ext.Linear(12, 16, activation="relu"), ext.Linear(16, 16), nn.Tanh(),
+                          ext.Linear(16, 3, bias=False)).double()
+    scripted = torch.jit.script(model)
+    input = torch.randn(shape, dtype=torch.float64)
+    assert_all_close(outputs_and_grads(scripted, input), outputs_and_grads(model, input), torch.float64)
+
+
+@script_is_deprecated
+def test_a_scripted_model_saves_and_loads(tmp_path):
+    torch.manual_seed(0)
+    model = ext.replace_linears(nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)), fuse_relu=True)
+    torch.jit.save(torch.jit.script(model), tmp_path / "model.pt")
+    loaded = torch.jit.load(tmp_path / "model.pt")
+    input = torch.randn(4, 6)
+    with OpNames() as log:
+        loaded(input)
+    assert {"ext.linear_relu", "ext.linear"} <= log.names and not log.names & {"aten.addmm", "aten.mm"}
+    assert_all_close(outputs_and_grads(loaded, input), outputs_and_grads(model, input), torch.float32)
+
+
+@script_is_deprecated
+@pytest.mark.parametrize("function, relu", [(ext.linear, False), (ext.linear_relu, True)])
+def test_scripted_functions_match_f_linear(function, relu):
+    scripted = torch.jit.script(function)
+    input, weight, bias = torch.randn(2, 5, 4), torch.randn(3, 4), torch.randn(3)
+    for b in (bias, None):
+        expected = torch.nn.functional.linear(input, weight, b)
+        torch.testing.assert_close(scripted(input, weight, b), expected.relu() if relu else expected)
