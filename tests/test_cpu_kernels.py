@@ -252,9 +252,13 @@ def test_float32_error_does_not_grow_with_many_k_blocks(path):
 
 
 # The autograd backward calls the kernels directly (autograd.cpp backward_cpu), with dX and db
-# on one thread and dW on the other when there are 2. (batch, out, in): two K blocks for dX
-# (out > 800), ragged last tiles, the many-rows tile, a 10-class head; every grad_output layout.
-BACKWARD_SHAPES = [(128, 1000, 2048), (300, 801, 49), (129, 65, 385), (512, 256, 31), (257, 10, 600)]
+# on one thread and dW on the other when there are 2, each taking the other's column panels
+# still left once done (from SHARED_MIN_FLOPS per product). (batch, out, in): two K blocks for
+# dX (out > 800), ragged last tiles, the many-rows tile, a 10-class head, dW cut into panels
+# that share one packed dYᵀ (the last two: ragged, and whole tiles); every grad_output layout.
+SHARED_MIN_FLOPS = 8e6  # autograd.cpp kSharedMinFlops
+BACKWARD_SHAPES = [(128, 1000, 2048), (300, 801, 49), (129, 65, 385), (512, 256, 31), (257, 10, 600),
+                   (150, 90, 530), (256, 192, 384)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -276,15 +280,16 @@ def test_backward_on_two_threads_matches_one_thread_bit_for_bit(path, dtype):
             with cpu_path(path):
                 with num_threads(1):
                     single = grads()
-                with num_threads(2):
-                    shared = grads()
+                with num_threads(2):  # which thread computes which panel changes from run to run
+                    runs = [grads() for _ in range(3)]
             where = f"{path}: {batch}x{in_features}->{out_features}, {grad_layout} grad_output"
             expected = [grad_output.double() @ weight.double(), grad_output.double().t() @ input.double(),
                         grad_output.double().sum(0)]
-            for name, one, two, reference, depth in zip(("dX", "dW", "db"), single, shared, expected,
-                                                        (out_features, batch, batch)):
-                assert torch.equal(one, two), f"{name} differs on 1 and 2 threads ({where})"
-                assert_close(two, reference, dtype, depth)
+            for shared in runs:
+                for name, one, two, reference, depth in zip(("dX", "dW", "db"), single, shared, expected,
+                                                            (out_features, batch, batch)):
+                    assert torch.equal(one, two), f"{name} differs on 1 and 2 threads ({where})"
+                    assert_close(two, reference, dtype, depth)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -21,7 +21,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include <atomic>
+#include <optional>
 
 namespace ext {
 
@@ -57,19 +57,22 @@ bool side_by_side(int64_t batch, int64_t out_features, int64_t in_features) {
   return flops_per_product >= cpu::kParallelMinFlops && at::get_num_threads() == 2 && !at::in_parallel_region();
 }
 
-// Side by side, dX is cut into column chunks that both threads take in turn: the thread of
-// dW, once done, takes those still left, so neither waits while the other works. dX is the
-// longer product of a 2048-input head (128x2048->1000, one thread: dX 3.1 ms, dW 2.8), and on
-// a shared machine either core may run slow for a while. dW is not shared: each chunk of it
-// would pack dYᵀ or X again. Chunks are whole panels of every tile (192 columns: 4 of 48, 3 of
-// 64), and each element gets the same arithmetic whichever thread computes it, so results stay
-// bit-identical. Only from kSharedInputMinFlops, where a chunk's own setup is lost in it.
-// Measured (2 threads, fwd+bwd, single calls alternating with the unshared backward, median of
-// the paired ratios): 128x2048->1000 0.975 and 1.001 in two runs (the second while the dW
-// thread's core ran slow, when no help can flow), 1024^3 0.995, 2048^3 0.980, 512x784->256
-// 0.999 and 0.998, 512x256->256 0.998.
-constexpr int64_t kSharedInputChunkColumns = 192;
-constexpr double kSharedInputMinFlops = 64e6;
+// Side by side, dX and dW are each cut into chunks of one column panel, and a thread done
+// with its own product takes the other's chunks still left, so neither waits while the other
+// works. Which product is longer depends on the shape (one thread: dX 3.1 ms and dW 2.8 for
+// 128x2048->1000, 0.35 and 0.40 for 512x256->256), and on a shared machine either core may run
+// slow for a while. dW's chunks share one packed copy of dYᵀ (cpu::ColumnChunks), so cutting
+// it repacks nothing. Each element gets the same arithmetic whichever thread computes it, so
+// results stay bit-identical. Only from kSharedMinFlops per product, where a chunk's own setup
+// is lost in it. Measured (2 threads, single calls alternating with the previous scheme, where
+// only dX was cut, in 192-column chunks, and only from 64 Mflop; median of the paired ratios,
+// while one vCPU ran slow): fwd+bwd 128x784->256 0.957, 128x256->256 0.974, 512x784->256
+// 0.988, 512x256->256 1.001, 128x256->10 1.000 (with the forward's column slabs shared too,
+// see cpu::gemm); backward alone 128x784->256 0.957, 128x256->256 0.948 (sharing from 4 rather
+// than 64 Mflop), 512x784->256 0.892 (one-panel chunks), 128x2048->1000 1.001, 1024^3 0.999. On
+// one thread, running a backward in chunks rather than whole cost 0-1.4%.
+constexpr int64_t kSharedChunkPanels = 1;
+constexpr double kSharedMinFlops = 8e6;
 
 struct Grads {
   at::Tensor input, weight, bias;
@@ -98,36 +101,33 @@ Grads backward_cpu(const at::Tensor& grad_output, const at::Tensor& input, const
   AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear backward", [&] {
     const scalar_t* dy = grad_output.const_data_ptr<scalar_t>();
     const bool side = needs_input && needs_weight && side_by_side(M, N, K);
-    const bool share_input = side && 2.0 * M * N * K >= kSharedInputMinFlops;
-    const int64_t chunk_columns = share_input ? kSharedInputChunkColumns : std::max<int64_t>(K, 1);
-    const int64_t input_chunks = needs_input ? (K + chunk_columns - 1) / chunk_columns : 0;  // none when K == 0
-    std::atomic<int64_t> next_input_chunk{0};
-    // dX (M x K) = dY (M x N) · W (N x K), chunk by chunk until none is left.
-    auto input_grad_chunks = [&] {
-      const scalar_t* w = weight.const_data_ptr<scalar_t>();
-      scalar_t* dx = needs_input ? grads.input.mutable_data_ptr<scalar_t>() : nullptr;
-      for (int64_t chunk; (chunk = next_input_chunk.fetch_add(1)) < input_chunks;) {
-        const int64_t first = chunk * chunk_columns, columns = std::min(chunk_columns, K - first);
-        cpu::gemm<scalar_t>(M, columns, N, dy, dy_rs, dy_cs, w + first * weight.stride(1), weight.stride(0),
-                            weight.stride(1), nullptr, false, dx + first, K);
-      }
-    };
+    const bool share = side && 2.0 * M * N * K >= kSharedMinFlops;
+    const int64_t panels_per_chunk = share ? kSharedChunkPanels : 0;  // else one chunk
+    // dX (M x K) = dY (M x N) · W (N x K)
+    std::optional<cpu::ColumnChunks<scalar_t>> input_grad, weight_grad;
+    if (needs_input)
+      input_grad.emplace(M, K, N, dy, dy_rs, dy_cs, weight.const_data_ptr<scalar_t>(), weight.stride(0),
+                         weight.stride(1), nullptr, false, grads.input.mutable_data_ptr<scalar_t>(), K,
+                         panels_per_chunk);
+    // dW (N x K) = dYᵀ (N x M) · X (M x K), packed straight from dY's strides
+    if (needs_weight)
+      weight_grad.emplace(N, K, M, dy, dy_cs, dy_rs, input.const_data_ptr<scalar_t>(), input.stride(0),
+                          input.stride(1), nullptr, false, grads.weight.mutable_data_ptr<scalar_t>(), K,
+                          panels_per_chunk);
     auto input_and_bias_grads = [&] {
       if (needs_input) {
         RECORD_FUNCTION("ext::linear_backward_input", std::vector<c10::IValue>());
-        input_grad_chunks();
+        input_grad->run();
       }
       if (needs_bias) {  // db (N) = the sum of dY's rows
         RECORD_FUNCTION("ext::linear_backward_bias", std::vector<c10::IValue>());
         cpu::sum_rows<scalar_t>(M, N, dy, dy_rs, dy_cs, grads.bias.mutable_data_ptr<scalar_t>());
       }
     };
-    auto weight_grad = [&] {
+    auto weight_grad_all = [&] {
       if (!needs_weight) return;
-      // dW (N x K) = dYᵀ (N x M) · X (M x K), packed straight from dY's strides
       RECORD_FUNCTION("ext::linear_backward_weight", std::vector<c10::IValue>());
-      cpu::gemm<scalar_t>(N, K, M, dy, dy_cs, dy_rs, input.const_data_ptr<scalar_t>(), input.stride(0),
-                          input.stride(1), nullptr, false, grads.weight.mutable_data_ptr<scalar_t>(), K);
+      weight_grad->run();
     };
     if (side) {
       const at::ThreadLocalState state;  // the caller's (profiler, grad mode), for the other thread
@@ -136,18 +136,22 @@ Grads backward_cpu(const at::Tensor& grad_output, const at::Tensor& input, const
         for (int64_t which = first; which < last; ++which) {
           if (which == 0) {
             input_and_bias_grads();
+            if (share && !weight_grad->all_taken()) {  // dW chunks still left: take them
+              RECORD_FUNCTION("ext::linear_backward_weight (shared)", std::vector<c10::IValue>());
+              weight_grad->run();
+            }
           } else {
-            weight_grad();
-            if (share_input && next_input_chunk.load() < input_chunks) {  // dX chunks still left: take them
+            weight_grad_all();
+            if (share && !input_grad->all_taken()) {  // dX chunks still left: take them
               RECORD_FUNCTION("ext::linear_backward_input (shared)", std::vector<c10::IValue>());
-              input_grad_chunks();
+              input_grad->run();
             }
           }
         }
       });
     } else {
       input_and_bias_grads();
-      weight_grad();
+      weight_grad_all();
     }
   });
   return grads;

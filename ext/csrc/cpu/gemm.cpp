@@ -8,8 +8,9 @@
 //           its A micro-panel, MR x KC, in L1)
 //
 // Threads split C into slabs of whole tiles (columns of NR, or rows of MR); each
-// runs the five loops on its slab. No thread ever splits K, so every element of
-// C sees the same operations in the same order whatever the thread count.
+// runs the five loops on its slab (column slabs a panel at a time, so a thread done
+// early takes the panels another has not reached). No thread ever splits K, so every
+// element of C sees the same operations in the same order whatever the thread count.
 #include "gemm.h"
 
 #include "microkernel.h"
@@ -18,7 +19,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
 #include <stdexcept>
+#include <thread>
 
 namespace ext::cpu {
 
@@ -135,6 +138,21 @@ const Microkernels<T>& microkernels(CpuPath path) {
   return table;
 }
 
+// C's rows a page or more apart, in a C larger than L2: gemm_slab writes such a C row after
+// row where it can (see write_c_by_rows there).
+template <typename T>
+bool c_rows_are_pages_apart(int64_t rows, int64_t ldc) {
+  const int64_t row_bytes = ldc * static_cast<int64_t>(sizeof(T));
+  return row_bytes >= 4096 && rows * row_bytes > kL2Bytes;
+}
+
+// The active path's tile for an M x N product of C.
+template <typename T>
+const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
+  const Microkernels<T>& kernels = microkernels<T>(g_active_path);
+  return N <= kernels.narrow.nr ? kernels.narrow : M >= kManyRowsMinRows ? kernels.many_rows : kernels.wide;
+}
+
 // Per-thread packing buffer, 64-byte aligned, grown on demand and reused
 // across calls so the hot path never allocates.
 class PackBuffer {
@@ -173,7 +191,7 @@ template <typename T>
 void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_bytes, int64_t m0, int64_t m1,
                int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
-               const T* bias, bool relu, T* C, int64_t ldc) {
+               const T* bias, bool relu, T* C, int64_t ldc, const T* shared_packed_a = nullptr) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
@@ -209,8 +227,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // runs (its dX, on the other thread, is the longer product); dX 1024x1024->128
   // 0.955, forward 1024x128->1024 0.941. With B's block up to all of L2 instead of
   // half, dW 256x2048->1000 ran 1.39x slower.
-  const int64_t c_row_bytes = ldc * static_cast<int64_t>(sizeof(T));
-  const bool write_c_by_rows = !read_b_in_place && c_row_bytes >= 4096 && (m1 - m0) * c_row_bytes > kL2Bytes &&
+  const bool write_c_by_rows = !read_b_in_place && c_rows_are_pages_apart<T>(m1 - m0, ldc) &&
                                b_block_bytes <= kL2Bytes / 2;
   // With a single A block, each B micro-panel is packed into one reused
   // KC x NR buffer right before its row tiles read it, while it is in L1/L2,
@@ -229,7 +246,9 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   const bool rows_outer = write_c_by_rows ||
                           (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= kL1dBytes / 2);
   T* packed_b = t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
-  T* packed_a = t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
+  // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
+  T* packed_a = shared_packed_a ? nullptr : t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
+  const T* a_panels = shared_packed_a ? shared_packed_a : packed_a;
   TileArgs<T> tile{};
   tile.ldc = ldc;
   for (int64_t jc = n0; jc < n1; jc += kNC) {
@@ -244,7 +263,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
       for (int64_t ic = m0; ic < m1; ic += MC) {
         const int64_t mc = std::min(MC, m1 - ic);
         const T* a_block = A + ic * a_rs + pc * a_cs;
-        if (!read_a_in_place) uk.pack_a(a_block, a_rs, a_cs, mc, kc, packed_a);
+        if (!read_a_in_place && !shared_packed_a) uk.pack_a(a_block, a_rs, a_cs, mc, kc, packed_a);
         // B's micro-panel for columns jr: packed, or read in place.
         auto b_panel = [&](int64_t jr, int64_t cols) {
           tile.cols = cols;
@@ -268,7 +287,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           tile.c = C + (ic + ir) * ldc + jc + jr;
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
           if (!read_a_in_place) {
-            tile.a = packed_a + ir * kc;
+            tile.a = a_panels + ir * kc;
             tile.a_k_stride = MR;
             uk.tile_unit_row_stride(tile.rows, tile.cols)(tile);
           } else if (tile.rows == MR) {
@@ -307,17 +326,6 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
       }
     }
   }
-}
-
-// Runs task(slab) for every slab in [0, slabs) on torch's intra-op threads:
-// at::parallel_for is OpenMP here (the build passes -fopenmp), the same pool and
-// thread count (torch.set_num_threads) as torch's own kernels.
-template <typename Task>
-void run_slabs(int64_t slabs, const Task& task) {
-  if (slabs == 1) return task(0);
-  at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
-    for (int64_t slab = first; slab < last; ++slab) task(slab);
-  });
 }
 
 // C = bias (or 0), then relu: what the product is when K == 0.
@@ -378,13 +386,12 @@ void gemm(int64_t M, int64_t N, int64_t K,
           const T* bias, bool relu, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (K == 0) return fill_bias(M, N, bias, relu, C, ldc);
-  const Microkernels<T>& kernels = microkernels<T>(g_active_path);
-  const Microkernel<T>& uk = N <= kernels.narrow.nr ? kernels.narrow
-                            : M >= kManyRowsMinRows ? kernels.many_rows
-                                                    : kernels.wide;
+  const Microkernel<T>& uk = microkernel_for<T>(M, N);
   const int64_t MC = block_rows(g_active_path), single_bytes = single_block_bytes(g_active_path);
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
-  // Small products, and calls from inside another parallel region (no nested
+  // Threads are torch's intra-op threads: at::parallel_for is OpenMP here (the build
+  // passes -fopenmp), the pool and thread count (torch.set_num_threads) of torch's own
+  // kernels. Small products, and calls from inside another parallel region (no nested
   // oversubscription), stay on the calling thread.
   const bool small = 2.0 * M * N * K < kParallelMinFlops;
   const int64_t threads = small || at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -398,22 +405,97 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const bool read_a_in_place = reads_a_in_place(a_cs);
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
+  if (slabs == 1) return gemm_slab(uk, MC, single_bytes, 0, M, 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias, relu, C, ldc);
+  if (!split_columns) {
+    at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
+      for (int64_t slab = first; slab < last; ++slab)
+        gemm_slab(uk, MC, single_bytes, m_panels * slab / slabs * uk.mr,
+                  std::min(M, m_panels * (slab + 1) / slabs * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias,
+                  relu, C, ldc);
+    });
+    return;
+  }
   // Column slabs are cut at whole vectors rather than whole NR panels: a slab's
   // ragged last panel runs only the vectors it has, and with NR = 48 or 64,
   // whole panels split unevenly (N = 1000 in 48s: 480 + 520 columns; in
-  // vectors of 16, 496 + 504).
-  const int64_t units = split_columns ? (N + uk.lanes - 1) / uk.lanes : m_panels;
-  run_slabs(slabs, [&](int64_t slab) {
-    const int64_t u0 = units * slab / slabs, u1 = units * (slab + 1) / slabs;
-    if (split_columns) {
-      gemm_slab(uk, MC, single_bytes, 0, M, u0 * uk.lanes, std::min(N, u1 * uk.lanes), K, A, a_rs, a_cs, B, b_rs, b_cs,
-                bias, relu, C, ldc);
-    } else {
-      gemm_slab(uk, MC, single_bytes, u0 * uk.mr, std::min(M, u1 * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs,
-                bias, relu, C, ldc);
-    }
+  // vectors of 16, 496 + 504). Each thread computes its slab a column panel at a
+  // time, then takes the panels still left in the others: on a shared machine one
+  // core may run slower for a while, and the other then finishes its slab rather
+  // than wait. Measured (2 threads, forward, single calls alternating with whole
+  // slabs, median of the paired ratios, while one vCPU ran slow): 128x256->256
+  // 0.880, 128x2048->1000 0.964, 128x784->256 0.995, 512x784->256 1.008,
+  // 512x256->256 1.004.
+  const int64_t vectors = (N + uk.lanes - 1) / uk.lanes;
+  std::deque<ColumnChunks<T>> slab_panels;  // a deque: ColumnChunks cannot move
+  for (int64_t slab = 0; slab < slabs; ++slab) {
+    const int64_t n0 = vectors * slab / slabs * uk.lanes, n1 = std::min(N, vectors * (slab + 1) / slabs * uk.lanes);
+    slab_panels.emplace_back(M, n1 - n0, K, A, a_rs, a_cs, B + n0 * b_cs, b_rs, b_cs, bias ? bias + n0 : nullptr, relu,
+                             C + n0, ldc, 1);
+  }
+  at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
+    for (int64_t slab = first; slab < last; ++slab)
+      for (int64_t i = 0; i < slabs; ++i) slab_panels[(slab + i) % slabs].run();
   });
 }
+
+template <typename T>
+ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride,
+                              int64_t a_col_stride, const T* B, int64_t b_row_stride, int64_t b_col_stride,
+                              const T* bias, bool relu, T* C, int64_t ldc, int64_t panels_per_chunk)
+    : M_(M), N_(N), K_(K), A_(A), a_rs_(a_row_stride), a_cs_(a_col_stride), B_(B), b_rs_(b_row_stride),
+      b_cs_(b_col_stride), bias_(bias), relu_(relu), C_(C), ldc_(ldc) {
+  // One chunk when A is packed but more than gemm_slab's one A block (deeper than one K block,
+  // or more rows than single_block_bytes holds: every chunk would pack all of A again), and
+  // when gemm_slab writes C row after row (chunks would cut the rows into strips again).
+  const bool packs_a = !reads_a_in_place(a_col_stride);
+  const bool a_is_one_block = K > 0 && K <= kMaxSingleKBlock<T> &&
+                              M * K * static_cast<int64_t>(sizeof(T)) <= single_block_bytes(g_active_path);
+  const bool one_chunk = panels_per_chunk <= 0 || (packs_a && !a_is_one_block) || c_rows_are_pages_apart<T>(M, ldc);
+  chunk_columns_ = one_chunk ? std::max<int64_t>(N, 1) : panels_per_chunk * microkernel_for<T>(M, N).nr;
+  chunks_ = M > 0 && N > 0 ? (N + chunk_columns_ - 1) / chunk_columns_ : 0;
+  share_packed_a_ = packs_a && chunks_ > 1;
+  if (share_packed_a_) {  // allocated here, on the calling thread, so that no chunk waits on a failed allocation
+    const int64_t mr = microkernel_for<T>(M, N).mr;
+    const size_t bytes = ((M + mr - 1) / mr * mr * K * sizeof(T) + 63) / 64 * 64;
+    packed_a_ = static_cast<T*>(std::aligned_alloc(64, bytes));
+    if (!packed_a_) throw std::bad_alloc();
+  }
+}
+
+template <typename T>
+void ColumnChunks<T>::run() {
+  for (int64_t chunk; (chunk = next_chunk_.fetch_add(1)) < chunks_;) {
+    const int64_t n0 = chunk * chunk_columns_, n1 = std::min(N_, n0 + chunk_columns_);
+    if (share_packed_a_) {
+      // The tile of the whole product, so that A's panels are those packed for it.
+      gemm_slab<T>(microkernel_for<T>(M_, N_), block_rows(g_active_path), single_block_bytes(g_active_path), 0, M_,
+                   n0, n1, K_, A_, a_rs_, a_cs_, B_, b_rs_, b_cs_, bias_, relu_, C_, ldc_, packed_a());
+    } else {
+      gemm<T>(M_, n1 - n0, K_, A_, a_rs_, a_cs_, B_ + n0 * b_cs_, b_rs_, b_cs_, bias_ ? bias_ + n0 : nullptr, relu_,
+              C_ + n0, ldc_);
+    }
+  }
+}
+
+template <typename T>
+ColumnChunks<T>::~ColumnChunks() {
+  std::free(packed_a_);
+}
+
+// A's panels, packed by the first thread that asks; others wait the few microseconds it takes.
+template <typename T>
+const T* ColumnChunks<T>::packed_a() {
+  int state = kUnpacked;
+  if (pack_state_.compare_exchange_strong(state, kPacking, std::memory_order_acquire)) {
+    microkernel_for<T>(M_, N_).pack_a(A_, a_rs_, a_cs_, M_, K_, packed_a_);
+    pack_state_.store(kPacked, std::memory_order_release);
+  }
+  while (pack_state_.load(std::memory_order_acquire) != kPacked) std::this_thread::yield();
+  return packed_a_;
+}
+
+template class ColumnChunks<float>;
+template class ColumnChunks<double>;
 
 // Adds the rows of A into out. Along contiguous rows the path's vector kernel
 // sums blocks of columns held in registers; otherwise each column is a

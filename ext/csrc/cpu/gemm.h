@@ -2,6 +2,7 @@
 // kernels compile fast and can be tested on their own.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -29,6 +30,47 @@ void gemm(int64_t M, int64_t N, int64_t K,
           const T* B, int64_t b_row_stride, int64_t b_col_stride,
           const T* bias, bool relu,
           T* C, int64_t ldc);
+
+// One product C = A·B + bias (relu as in gemm) whose columns are computed in chunks of
+// panels_per_chunk column panels of its tile (0: one chunk), taken by any threads in any
+// order through run(). An A read in place costs the chunks nothing; an A that is packed is
+// packed once, by the first thread that needs it, for all chunks, when it makes one packed
+// block (depth up to one K block, rows within single_block_bytes); otherwise, and when C is
+// written row after row (rows a page apart, larger than L2), the product is one chunk.
+// Every element of C gets the same arithmetic as from gemm, whichever thread computes it.
+// gemm's column slabs, and the backward's dX and dW side by side (autograd.cpp), are shared
+// between threads this way.
+template <typename T>
+class ColumnChunks {
+ public:
+  ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride, int64_t a_col_stride,
+               const T* B, int64_t b_row_stride, int64_t b_col_stride, const T* bias, bool relu, T* C, int64_t ldc,
+               int64_t panels_per_chunk);
+  ~ColumnChunks();
+  ColumnChunks(const ColumnChunks&) = delete;
+  ColumnChunks& operator=(const ColumnChunks&) = delete;
+  // Computes chunks, on the calling thread, until none is left to take.
+  void run();
+  // No chunk is left to take (some may still be computing).
+  bool all_taken() const { return next_chunk_.load(std::memory_order_relaxed) >= chunks_; }
+
+ private:
+  const T* packed_a();
+  int64_t M_, N_, K_;
+  const T* A_;
+  int64_t a_rs_, a_cs_;
+  const T* B_;
+  int64_t b_rs_, b_cs_;
+  const T* bias_;
+  bool relu_;
+  T* C_;
+  int64_t ldc_, chunk_columns_, chunks_;
+  bool share_packed_a_;
+  std::atomic<int64_t> next_chunk_{0};
+  enum PackState : int { kUnpacked, kPacking, kPacked };
+  std::atomic<int> pack_state_{kUnpacked};
+  T* packed_a_ = nullptr;  // A's panels when shared: allocated at construction, filled once
+};
 
 // out[n] = sum over m of A[m, n], for an M x N strided view. Deterministic.
 template <typename T>
