@@ -69,8 +69,10 @@ bool side_by_side(int64_t batch, int64_t out_features, int64_t in_features) {
 // while one vCPU ran slow): fwd+bwd 128x784->256 0.957, 128x256->256 0.974, 512x784->256
 // 0.988, 512x256->256 1.001, 128x256->10 1.000 (with the forward's column slabs shared too,
 // see cpu::gemm); backward alone 128x784->256 0.957, 128x256->256 0.948 (sharing from 4 rather
-// than 64 Mflop), 512x784->256 0.892 (one-panel chunks), 128x2048->1000 1.001, 1024^3 0.999. On
-// one thread, running a backward in chunks rather than whole cost 0-1.4%.
+// than 64 Mflop), 512x784->256 0.892 (one-panel chunks), 128x2048->1000 1.001, 1024^3 0.999. With
+// both vCPUs at full speed it is a wash: fwd+bwd 128x784->256 1.006, 128x256->256 1.015,
+// 512x784->256 0.996, 512x256->256 1.020 (its backward alone 1.080, 1.015 and 0.991 in three
+// runs). On one thread, running a backward in chunks rather than whole cost 0-1.4%.
 constexpr int64_t kSharedChunkPanels = 1;
 constexpr double kSharedMinFlops = 8e6;
 

@@ -421,10 +421,11 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // vectors of 16, 496 + 504). Each thread computes its slab a column panel at a
   // time, then takes the panels still left in the others: on a shared machine one
   // core may run slower for a while, and the other then finishes its slab rather
-  // than wait. Measured (2 threads, forward, single calls alternating with whole
-  // slabs, median of the paired ratios, while one vCPU ran slow): 128x256->256
-  // 0.880, 128x2048->1000 0.964, 128x784->256 0.995, 512x784->256 1.008,
-  // 512x256->256 1.004.
+  // than wait (where ColumnChunks cuts a slab: not when its rows make several blocks).
+  // Measured (2 threads, forward, single calls alternating with whole slabs, median of
+  // the paired ratios, while one vCPU ran slow): 128x256->256 0.880, 128x2048->1000
+  // 0.964, 128x784->256 0.995, 512x256->256 1.004; with the machine quiet,
+  // 128x256->256 1.003, 512x256->256 1.001.
   const int64_t vectors = (N + uk.lanes - 1) / uk.lanes;
   std::deque<ColumnChunks<T>> slab_panels;  // a deque: ColumnChunks cannot move
   for (int64_t slab = 0; slab < slabs; ++slab) {
@@ -444,13 +445,17 @@ ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64
                               const T* bias, bool relu, T* C, int64_t ldc, int64_t panels_per_chunk)
     : M_(M), N_(N), K_(K), A_(A), a_rs_(a_row_stride), a_cs_(a_col_stride), B_(B), b_rs_(b_row_stride),
       b_cs_(b_col_stride), bias_(bias), relu_(relu), C_(C), ldc_(ldc) {
-  // One chunk when A is packed but more than gemm_slab's one A block (deeper than one K block,
-  // or more rows than single_block_bytes holds: every chunk would pack all of A again), and
-  // when gemm_slab writes C row after row (chunks would cut the rows into strips again).
+  // One chunk when A's rows make more than one block of gemm_slab (each chunk would run the
+  // row blocks again, and re-read or re-pack all of A), when a packed A is deeper than one K
+  // block (each chunk would pack it again), and when gemm_slab writes C row after row (chunks
+  // would cut the rows into strips again).
   const bool packs_a = !reads_a_in_place(a_col_stride);
-  const bool a_is_one_block = K > 0 && K <= kMaxSingleKBlock<T> &&
-                              M * K * static_cast<int64_t>(sizeof(T)) <= single_block_bytes(g_active_path);
-  const bool one_chunk = panels_per_chunk <= 0 || (packs_a && !a_is_one_block) || c_rows_are_pages_apart<T>(M, ldc);
+  const int64_t KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
+  const bool rows_are_one_block = M <= block_rows(g_active_path) ||
+                                  M * KC * static_cast<int64_t>(sizeof(T)) <= single_block_bytes(g_active_path);
+  const bool a_is_one_block = rows_are_one_block && K > 0 && K <= kMaxSingleKBlock<T>;
+  const bool one_chunk = panels_per_chunk <= 0 || !rows_are_one_block || (packs_a && !a_is_one_block) ||
+                         c_rows_are_pages_apart<T>(M, ldc);
   chunk_columns_ = one_chunk ? std::max<int64_t>(N, 1) : panels_per_chunk * microkernel_for<T>(M, N).nr;
   chunks_ = M > 0 && N > 0 ? (N + chunk_columns_ - 1) / chunk_columns_ : 0;
   share_packed_a_ = packs_a && chunks_ > 1;
