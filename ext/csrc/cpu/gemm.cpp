@@ -153,8 +153,10 @@ const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
   return N <= kernels.narrow.nr ? kernels.narrow : M >= kManyRowsMinRows ? kernels.many_rows : kernels.wide;
 }
 
-// Per-thread packing buffer, 64-byte aligned, grown on demand and reused
-// across calls so the hot path never allocates.
+// Per-thread packing buffer, 64-byte aligned, grown on demand and reused across
+// calls, so packing never allocates once warm. (A ColumnChunks whose chunks share
+// a packed A allocates that one buffer per product: at most M x K floats, one
+// allocation against the product's millions of flops.)
 class PackBuffer {
  public:
   ~PackBuffer() { std::free(data_); }
@@ -488,6 +490,8 @@ ColumnChunks<T>::~ColumnChunks() {
 }
 
 // A's panels, packed by the first thread that asks; others wait the few microseconds it takes.
+// pack_a only copies into the buffer allocated by the constructor and cannot throw, so a
+// claimed pack always reaches kPacked and no waiter spins forever.
 template <typename T>
 const T* ColumnChunks<T>::packed_a() {
   int state = kUnpacked;
