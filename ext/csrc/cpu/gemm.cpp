@@ -22,6 +22,7 @@
 #include <deque>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 namespace ext::cpu {
 
@@ -154,11 +155,12 @@ const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
 }
 
 // Per-thread packing buffer, 64-byte aligned, grown on demand and reused across
-// calls, so packing never allocates once warm. (A ColumnChunks whose chunks share
-// a packed A allocates that one buffer per product: at most M x K floats, one
-// allocation against the product's millions of flops.)
+// calls, so packing never allocates once warm.
 class PackBuffer {
  public:
+  PackBuffer() = default;
+  PackBuffer(const PackBuffer&) = delete;
+  PackBuffer& operator=(const PackBuffer&) = delete;
   ~PackBuffer() { std::free(data_); }
   template <typename T>
   T* get(int64_t count) {
@@ -178,6 +180,38 @@ class PackBuffer {
 };
 
 thread_local PackBuffer t_packed_a, t_packed_b;
+
+// Buffers for the packed A that all chunks of a ColumnChunks share, kept per constructing
+// thread and reused across calls, like t_packed_a. Allocated afresh for each product (up to
+// 512 KiB) and freed after it, each was one more block that glibc may hand back to the
+// system on free, to fault its pages in again on the next call. Counted over 20 processes
+// that each ran the MLP shapes' forward, backward and fwd+bwd 900 times: ext's 512x784->256
+// averaged more than 50 page faults per call in 2 processes (up to 298) with a fresh
+// allocation, in 1 (66) with the pool; torch's own calls fault that way too (2-3 of 20).
+// Several ColumnChunks may be alive at once (one per column slab of gemm), so each leases a
+// slot and gives it back when destroyed, on the same thread.
+class SharedPackPool {
+ public:
+  int lease() {
+    const auto free_slot = std::find(leased_.begin(), leased_.end(), false);
+    if (free_slot != leased_.end()) {
+      *free_slot = true;
+      return static_cast<int>(free_slot - leased_.begin());
+    }
+    buffers_.emplace_back();
+    leased_.push_back(true);
+    return static_cast<int>(leased_.size()) - 1;
+  }
+  template <typename T>
+  T* get(int slot, int64_t count) { return buffers_[slot].get<T>(count); }
+  void release(int slot) { leased_[slot] = false; }
+
+ private:
+  std::deque<PackBuffer> buffers_;  // a deque: a buffer stays where it is as others are added
+  std::vector<bool> leased_;
+};
+
+thread_local SharedPackPool t_shared_packs;
 
 // Asks for the next tile of C while this one computes: from the second K block on,
 // the tile adds C to its sum, and C has long left L1/L2 by then (the only
@@ -461,11 +495,15 @@ ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64
   chunk_columns_ = one_chunk ? std::max<int64_t>(N, 1) : panels_per_chunk * microkernel_for<T>(M, N).nr;
   chunks_ = M > 0 && N > 0 ? (N + chunk_columns_ - 1) / chunk_columns_ : 0;
   share_packed_a_ = packs_a && chunks_ > 1;
-  if (share_packed_a_) {  // allocated here, on the calling thread, so that no chunk waits on a failed allocation
+  if (share_packed_a_) {  // sized here, on the calling thread, so that no chunk waits on a failed allocation
     const int64_t mr = microkernel_for<T>(M, N).mr;
-    const size_t bytes = ((M + mr - 1) / mr * mr * K * sizeof(T) + 63) / 64 * 64;
-    packed_a_ = static_cast<T*>(std::aligned_alloc(64, bytes));
-    if (!packed_a_) throw std::bad_alloc();
+    shared_pack_slot_ = t_shared_packs.lease();
+    try {
+      packed_a_ = t_shared_packs.get<T>(shared_pack_slot_, (M + mr - 1) / mr * mr * K);
+    } catch (...) {
+      t_shared_packs.release(shared_pack_slot_);
+      throw;
+    }
   }
 }
 
@@ -486,11 +524,11 @@ void ColumnChunks<T>::run() {
 
 template <typename T>
 ColumnChunks<T>::~ColumnChunks() {
-  std::free(packed_a_);
+  if (shared_pack_slot_ >= 0) t_shared_packs.release(shared_pack_slot_);
 }
 
 // A's panels, packed by the first thread that asks; others wait the few microseconds it takes.
-// pack_a only copies into the buffer allocated by the constructor and cannot throw, so a
+// pack_a only copies into the buffer sized by the constructor and cannot throw, so a
 // claimed pack always reaches kPacked and no waiter spins forever.
 template <typename T>
 const T* ColumnChunks<T>::packed_a() {

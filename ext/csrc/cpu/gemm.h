@@ -69,7 +69,11 @@ class ColumnChunks {
   std::atomic<int64_t> next_chunk_{0};
   enum PackState : int { kUnpacked, kPacking, kPacked };
   std::atomic<int> pack_state_{kUnpacked};
-  T* packed_a_ = nullptr;  // A's panels when shared: allocated at construction, filled once
+  // A's panels when shared: a buffer leased at construction from the constructing thread's
+  // pool (gemm.cpp), filled once, and given back by the destructor, which must run on that
+  // thread (gemm and the backward construct and destroy theirs in one call).
+  T* packed_a_ = nullptr;
+  int shared_pack_slot_ = -1;
 };
 
 // out[n] = sum over m of A[m, n], for an M x N strided view. Deterministic.
