@@ -30,8 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
 
+try:
+    import resource  # Unix only; without it no page faults are counted
+except ImportError:
+    resource = None
+
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import allocator  # noqa: E402
 import ext  # noqa: E402
 
 MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
@@ -48,6 +54,13 @@ PASSES = {"forward": 2, "backward": 4, "fwd+bwd": 6}
 PRODUCTS = {"forward": 2, "dX": 2, "dW": 2, "db": 0}
 FLOPS_PER_MNK = {**PASSES, **PRODUCTS}
 
+# From this many page faults per call (in the median round: the first touches of a first round do
+# not count) a side's time is noted as not the kernel's alone. A warm call reuses memory and faults
+# none; with glibc's defaults (--malloc-defaults) some processes hand freed blocks back to the
+# system and every call faults them in again (seen: 150 per fwd+bwd of 128x784->256, 580-830 per
+# 512x784->256, 0.7 ms of its 2.7, 2,000 per 1024^3), on either side.
+FAULTS_NOTED_PER_CALL = 2.0
+
 
 @dataclass
 class Row:
@@ -59,6 +72,7 @@ class Row:
     ext_s: float
     peak_gflops: float | None
     round_ratios: tuple[float, ...]  # torch/ext of each round's medians
+    faults_per_call: tuple[float, float] = (0.0, 0.0)  # torch's and ext's page faults per timed call
 
     @property
     def flops(self) -> float:
@@ -111,25 +125,52 @@ def make_product_statements(x, w, b, dy):
     }
 
 
-def time_interleaved(statements: dict, min_run_time_s: float, rounds: int) -> dict[str, list[list[float]]]:
-    """Seconds per call of each statement, one list of block times per round, measured in alternating rounds."""
+def minor_page_faults() -> int:
+    """Page faults of this process so far that the kernel served from memory (0 where unknown)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+def time_interleaved(statements: dict, min_run_time_s: float,
+                     rounds: int) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+    """Seconds per call of each statement, one list of block times per round, measured in alternating rounds;
+    and each statement's page faults per timed call, in its median round."""
     samples = {name: [] for name in statements}
+    faults_per_call = {name: [] for name in statements}
     for _ in range(rounds):
         for name, fn in statements.items():
             # Timer runs on 1 thread unless told otherwise.
             timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-            samples[name].append(timer.blocked_autorange(min_run_time=min_run_time_s).times)
-    return samples
+            faults_before = minor_page_faults()
+            measurement = timer.blocked_autorange(min_run_time=min_run_time_s)
+            calls = measurement.number_per_run * len(measurement.raw_times)  # and a few to size the blocks
+            faults_per_call[name].append((minor_page_faults() - faults_before) / calls)
+            samples[name].append(measurement.times)
+    return samples, {name: statistics.median(faults) for name, faults in faults_per_call.items()}
 
 
-def compare(pass_name, shape, device, threads_label, peak_gflops, torch_rounds, ext_rounds) -> Row:
+def compare(pass_name, shape, device, threads_label, peak_gflops, torch_rounds, ext_rounds,
+            faults_per_call=(0.0, 0.0)) -> Row:
     """A row from each side's block times per round. A side's time is the median of its round medians, so
     the ratio of the two always lies within the range of the rounds' own ratios."""
     torch_medians = [statistics.median(times) for times in torch_rounds]
     ext_medians = [statistics.median(times) for times in ext_rounds]
     round_ratios = tuple(t / e for t, e in zip(torch_medians, ext_medians))
     return Row(device, threads_label, shape, pass_name, statistics.median(torch_medians),
-               statistics.median(ext_medians), peak_gflops, round_ratios)
+               statistics.median(ext_medians), peak_gflops, round_ratios, tuple(faults_per_call))
+
+
+def fault_notes(rows: list[Row]) -> list[str]:
+    """A line for each row where a side page-faulted on most calls: its time is not the kernel's alone."""
+    notes = []
+    for r in rows:
+        faulting = [f"{side} {count:.0f}" for side, count in zip(("torch", "ext"), r.faults_per_call)
+                    if count >= FAULTS_NOTED_PER_CALL]
+        if faulting:
+            m, k, n = r.shape
+            notes.append(f"note: {m}x{k}->{n} {r.pass_name}: page faults per call: {', '.join(faulting)}; "
+                         "freed memory went back to the system and was faulted in again each call, which its "
+                         "time includes (the README says why)")
+    return notes
 
 
 def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds, products=False) -> list[Row]:
@@ -146,8 +187,9 @@ def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, round
         pairs = {pass_name: (torch_calls[pass_name], ext_calls[pass_name]) for pass_name in PASSES}
     rows = []
     for pass_name, (torch_call, ext_call) in pairs.items():
-        times = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
-        rows.append(compare(pass_name, shape, device, threads_label, peak_gflops, times["torch"], times["ext"]))
+        times, faults = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
+        rows.append(compare(pass_name, shape, device, threads_label, peak_gflops, times["torch"], times["ext"],
+                            (faults["torch"], faults["ext"])))
     return rows
 
 
@@ -216,14 +258,19 @@ def main(argv=None) -> None:
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does: "
+                             "allocator.py)")
     args = parser.parse_args(argv)
+    kept = not args.malloc_defaults and allocator.keep_freed_memory()
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
 
     command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
-              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs")
+              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, "
+              f"malloc: {'freed memory kept' if kept else 'C library defaults'}")
     print(header)
     markdown = [f"`{command.strip()}`", "", header, ""]
 
@@ -237,7 +284,7 @@ def main(argv=None) -> None:
             shape_rows = bench_shape(shape, "cpu", str(count), peak, min_run_time_s, rounds, args.products)
             print(format_text(shape_rows), flush=True)
             rows += shape_rows
-        summary = summary_lines(rows)
+        summary = summary_lines(rows) + fault_notes(rows)
         print("\n".join(summary))
         markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
 
@@ -248,7 +295,7 @@ def main(argv=None) -> None:
         rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
                 for row in bench_shape(shape, "cuda", "-", None, min_run_time_s, rounds, args.products)]
         print(format_text(rows))
-        summary = summary_lines(rows)
+        summary = summary_lines(rows) + fault_notes(rows)
         print("\n".join(summary))
         markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
     else:

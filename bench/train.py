@@ -27,6 +27,7 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. model.hidden_sizes=[512,512]")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    malloc = train.malloc_setting()  # as the trainer runs
 
     configs = {
         linear: train.load_config([
@@ -57,7 +58,8 @@ def main(argv=None):
                   f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}", flush=True)
 
     print(f"\nmodel=mlp {list(configs['torch'].model.hidden_sizes)}, {args.train_size:,} x 1x28x28, "
-          f"batch {args.batch_size}, {device}, {args.threads} threads, {args.epochs} timed epochs each")
+          f"batch {args.batch_size}, {device}, {args.threads} threads, {args.epochs} timed epochs each; "
+          f"malloc: {malloc}")
     means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}
     medians_s = {linear: statistics.median(times) for linear, times in epoch_times_s.items()}
     for linear in LINEARS:

@@ -2,6 +2,7 @@
 import argparse
 
 import pytest
+import torch
 
 from bench import linear as bench_linear
 
@@ -57,3 +58,22 @@ def test_geomeans_come_with_their_range_over_rounds():
     # both ratios are 2; one round's geomean over the two shapes is 2, 1.41 or 2
     assert bench_linear.summary_lines(rows) == [
         "geomean torch/ext, fwd+bwd: all shapes 2.00 (by round 1.41-2.00), MLP shapes 2.00 (by round 1.00-2.00)"]
+
+
+@pytest.mark.skipif(bench_linear.resource is None, reason="page faults are counted through the resource module (Unix)")
+def test_page_faults_per_call_are_counted_for_each_side():
+    # 64 MiB is above glibc's largest mmap threshold: each call maps fresh pages, fills them, unmaps them.
+    warm = torch.empty(1024)
+    statements = {"fresh": lambda: torch.ones(16 << 20), "warm": lambda: warm.fill_(1.0)}
+    _, faults = bench_linear.time_interleaved(statements, min_run_time_s=0.01, rounds=1)
+    assert faults["fresh"] > 1000  # 16,384 pages of 4 KiB (fewer with huge pages)
+    assert faults["warm"] < bench_linear.FAULTS_NOTED_PER_CALL
+
+
+def test_a_side_that_page_faults_on_most_calls_is_noted():
+    rounds = [[1.0], [1.0]]
+    quiet, faulting = (bench_linear.compare("fwd+bwd", (512, 784, 256), "cpu", "2", None, rounds, rounds, faults)
+                       for faults in ((0.0, 0.4), (0.1, 580.0)))
+    notes = bench_linear.fault_notes([quiet, faulting])
+    assert len(notes) == 1
+    assert notes[0].startswith("note: 512x784->256 fwd+bwd: page faults per call: ext 580;")

@@ -1,0 +1,44 @@
+"""Keep freed memory in the process for reuse instead of handing it back to the system (glibc malloc).
+
+glibc gives the free memory at the top of its heap back to the system once more than M_TRIM_THRESHOLD of it
+is free, and serves blocks above M_MMAP_THRESHOLD from fresh mappings that free unmaps; it adapts both as a
+process runs. A training step allocates and frees the same tensors step after step, so, depending on what
+the process did before, every step can fault all of them in again, a page of 4 KiB at a time. Measured here:
+three 4 MiB tensors made and freed together fault 2,016 pages every time with the defaults and none with the
+thresholds fixed; a ResNet-18 step (batch 64, 32x32) faulted 71,000-79,000 pages, 600-1,000 fixed; the
+kernel benchmark saw 150-2,000 per call on some shapes in some processes, on either side. torch and our
+operator allocate through the same malloc, so this changes nothing between `linear=torch` and
+`linear=custom`; it takes the system's page faults out of both.
+
+The cost: memory freed at the peak of a step stays with the process (as with jemalloc or tcmalloc, which
+PyTorch's CPU tuning guide recommends for the same reason).
+"""
+import ctypes
+import os
+
+TRIM_THRESHOLD_BYTES = 1 << 30  # give back free memory only beyond 1 GiB
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest on 64-bit: bigger blocks are still mapped afresh
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+# glibc's own settings; when the environment sets one, the user has chosen, and it rules
+GLIBC_ENV_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+
+
+def glibc():
+    """The C library this process runs on, if it is glibc (mallopt's numbers mean something else elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version
+        return libc
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows cannot load "no library"
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Fix glibc's trim and mmap thresholds (above) for the rest of the process. True if they were set; False
+    off glibc (macOS, musl, Windows) or when the environment sets glibc's own MALLOC_*_THRESHOLD_."""
+    libc = glibc()
+    if libc is None or any(os.environ.get(name) for name in GLIBC_ENV_SETTINGS):
+        return False
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1

@@ -1,0 +1,60 @@
+"""allocator.keep_freed_memory: glibc keeps freed memory for reuse, so a repeated step stops faulting pages in."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import allocator
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Three 4 MiB tensors made, filled and freed together, 40 times. glibc's own thresholds adapt as a process
+# runs, so whether such a step faults its pages in every time varies from process to process (4 in 10 here,
+# 2,016 pages each time); the child starts with thresholds that make it hand every freed block back, so that
+# it always does unless keep_freed_memory takes effect.
+STEPS = textwrap.dedent("""
+    import os, resource, sys, torch
+    import allocator
+    kept = None
+    if sys.argv[1] == "keep":
+        for name in allocator.GLIBC_ENV_SETTINGS:  # glibc has read them at start; now they are the defaults
+            os.environ.pop(name, None)
+        kept = allocator.keep_freed_memory()
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for step in range(60):
+        if step == 20:
+            before = faults()
+        tensors = [torch.ones(1 << 20) for _ in range(3)]
+        del tensors
+    print(kept, (faults() - before) / 40)
+""")
+GIVE_EVERYTHING_BACK = {"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def faults_per_step(mode, **glibc_env):
+    env = {name: value for name, value in os.environ.items() if name not in allocator.GLIBC_ENV_SETTINGS}
+    result = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env={**env, "PYTHONPATH": str(REPO), **glibc_env})
+    assert result.returncode == 0, result.stderr[-2000:]
+    kept, faults = result.stdout.split()
+    return kept, float(faults)
+
+
+glibc_only = pytest.mark.skipif(allocator.glibc() is None, reason="glibc's malloc only")
+
+
+@glibc_only
+def test_freed_memory_is_kept_and_steps_stop_faulting():
+    _, faults = faults_per_step("default", **GIVE_EVERYTHING_BACK)
+    assert faults > 3000  # 3 x 1,024 pages of 4 KiB (fewer with huge pages), every step
+    kept, faults = faults_per_step("keep", **GIVE_EVERYTHING_BACK)
+    assert kept == "True" and faults < 2
+
+
+@pytest.mark.parametrize("name", allocator.GLIBC_ENV_SETTINGS)
+def test_glibc_settings_from_the_environment_rule(monkeypatch, name):
+    monkeypatch.setenv(name, "131072")
+    assert allocator.keep_freed_memory() is False  # and mallopt is never called
