@@ -30,11 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
 
-try:
-    import resource  # Unix only; without it no page faults are counted
-except ImportError:
-    resource = None
-
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import allocator  # noqa: E402
@@ -125,11 +120,6 @@ def make_product_statements(x, w, b, dy):
     }
 
 
-def minor_page_faults() -> int:
-    """Page faults of this process so far that the kernel served from memory (0 where unknown)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
-
-
 def time_interleaved(statements: dict, min_run_time_s: float,
                      rounds: int) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
     """Seconds per call of each statement, one list of block times per round, measured in alternating rounds;
@@ -140,10 +130,10 @@ def time_interleaved(statements: dict, min_run_time_s: float,
         for name, fn in statements.items():
             # Timer runs on 1 thread unless told otherwise.
             timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-            faults_before = minor_page_faults()
+            faults_before = allocator.minor_page_faults()
             measurement = timer.blocked_autorange(min_run_time=min_run_time_s)
             calls = measurement.number_per_run * len(measurement.raw_times)  # and a few to size the blocks
-            faults_per_call[name].append((minor_page_faults() - faults_before) / calls)
+            faults_per_call[name].append((allocator.minor_page_faults() - faults_before) / calls)
             samples[name].append(measurement.times)
     return samples, {name: statistics.median(faults) for name, faults in faults_per_call.items()}
 

@@ -2,6 +2,7 @@
 
     python -m bench.train                      # 60,000 x 1x28x28, batch 128, 1 warm-up + 5 timed epochs each
     python -m bench.train --epochs 3 --train-size 10000 --threads 1
+    python -m bench.train --epochs 2 --train-size 2560 model=resnet18   # any model; add --malloc-defaults
 
 Both models start from the same weights and train on the same in-memory batches through the trainer's own
 train_one_epoch; their epochs alternate (torch, custom, torch, ...) so that a busy moment on the machine
@@ -12,6 +13,7 @@ import statistics
 
 import torch
 
+import allocator
 import data
 import train
 
@@ -24,10 +26,13 @@ def main(argv=None):
     parser.add_argument("--train-size", type=int, default=60_000)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
-    parser.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. model.hidden_sizes=[512,512]")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does)")
+    parser.add_argument("overrides", nargs="*",
+                        help="more trainer overrides, e.g. model.hidden_sizes=[512,512] or model=resnet18")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    malloc = train.malloc_setting()  # as the trainer runs
+    malloc = "the C library's defaults (--malloc-defaults)" if args.malloc_defaults else train.malloc_setting()
 
     configs = {
         linear: train.load_config([
@@ -48,16 +53,22 @@ def main(argv=None):
         runs[linear] = model, train_loader, optimizer
 
     epoch_times_s = {linear: [] for linear in LINEARS}
+    steps_per_epoch = len(runs["torch"][1])
     for epoch in range(args.epochs + 1):
         for linear in LINEARS:
             model, loader, optimizer = runs[linear]
+            faults_before = allocator.minor_page_faults()
             stats = train.train_one_epoch(model, loader, optimizer, device)
+            faults_per_step = (allocator.minor_page_faults() - faults_before) / steps_per_epoch
             if epoch > 0:  # the first epoch warms up caches and allocators
                 epoch_times_s[linear].append(stats.epoch_s)
             print(f"epoch {epoch}{' (warm-up)' if epoch == 0 else ''} linear={linear}: "
-                  f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}", flush=True)
+                  f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}, {faults_per_step:,.0f} page faults per step",
+                  flush=True)
 
-    print(f"\nmodel=mlp {list(configs['torch'].model.hidden_sizes)}, {args.train_size:,} x 1x28x28, "
+    model_cfg = configs["torch"].model
+    model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
+    print(f"\nmodel={model_text}, {args.train_size:,} x 1x28x28, "
           f"batch {args.batch_size}, {device}, {args.threads} threads, {args.epochs} timed epochs each; "
           f"malloc: {malloc}")
     means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}

@@ -16,20 +16,19 @@ REPO = Path(__file__).resolve().parents[1]
 # 2,016 pages each time); the child starts with thresholds that make it hand every freed block back, so that
 # it always does unless keep_freed_memory takes effect.
 STEPS = textwrap.dedent("""
-    import os, resource, sys, torch
+    import os, sys, torch
     import allocator
     kept = None
     if sys.argv[1] == "keep":
         for name in allocator.GLIBC_ENV_SETTINGS:  # glibc has read them at start; now they are the defaults
             os.environ.pop(name, None)
         kept = allocator.keep_freed_memory()
-    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(60):
         if step == 20:
-            before = faults()
+            before = allocator.minor_page_faults()
         tensors = [torch.ones(1 << 20) for _ in range(3)]
         del tensors
-    print(kept, (faults() - before) / 40)
+    print(kept, (allocator.minor_page_faults() - before) / 40)
 """)
 GIVE_EVERYTHING_BACK = {"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "131072"}
 

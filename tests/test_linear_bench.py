@@ -4,6 +4,7 @@ import argparse
 import pytest
 import torch
 
+import allocator
 from bench import linear as bench_linear
 
 
@@ -60,7 +61,7 @@ def test_geomeans_come_with_their_range_over_rounds():
         "geomean torch/ext, fwd+bwd: all shapes 2.00 (by round 1.41-2.00), MLP shapes 2.00 (by round 1.00-2.00)"]
 
 
-@pytest.mark.skipif(bench_linear.resource is None, reason="page faults are counted through the resource module (Unix)")
+@pytest.mark.skipif(allocator.resource is None, reason="page faults are counted through the resource module (Unix)")
 def test_page_faults_per_call_are_counted_for_each_side():
     # 64 MiB is above glibc's largest mmap threshold: each call maps fresh pages, fills them, unmaps them.
     warm = torch.empty(1024)
