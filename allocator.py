@@ -4,11 +4,11 @@ glibc gives the free memory at the top of its heap back to the system once more 
 is free, and serves blocks above M_MMAP_THRESHOLD from fresh mappings that free unmaps; it adapts both as a
 process runs. A training step allocates and frees the same tensors step after step, so, depending on what
 the process did before, every step can fault all of them in again, a page of 4 KiB at a time. Measured here:
-three 4 MiB tensors made and freed together fault 2,016 pages every time in about 4 processes of 10 with the
-defaults, and none with the thresholds fixed; a ResNet-18 step (batch 64, 28x28) 7,600-28,700, none fixed;
+three 4 MiB tensors (3,072 pages) made and freed together fault 2,016 pages every time in about 4 processes
+of 10 with the defaults, and none with the thresholds fixed; a ResNet-18 step (batch 64, 28x28) 7,600-28,700, none fixed;
 the kernel benchmark 150-2,000 per call on some shapes in some processes, on either side. torch and our
-operator allocate through the same malloc, so this changes nothing between `linear=torch` and
-`linear=custom`; it takes the system's page faults out of both.
+operator allocate through the same malloc, and the setting applies to both alike: with glibc's defaults the
+faults struck one side in one process and the other in the next.
 
 The cost: memory freed at the peak of a step stays with the process (as with jemalloc or tcmalloc, which
 PyTorch's CPU tuning guide recommends for the same reason).
@@ -22,10 +22,21 @@ except ImportError:
     resource = None
 
 TRIM_THRESHOLD_BYTES = 1 << 30  # give back free memory only beyond 1 GiB
-MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest on 64-bit: bigger blocks are still mapped afresh
+MMAP_THRESHOLD_BYTES = 32 << 20  # the largest every 64-bit glibc accepts: bigger blocks are still mapped afresh
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
 # glibc's own settings; when the environment sets one, the user has chosen, and it rules
 GLIBC_ENV_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+# Allocators loaded in glibc's place: mallopt would then tune a malloc nobody uses
+OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def user_chose_malloc() -> bool:
+    """The environment sets glibc's malloc (MALLOC_*_THRESHOLD_, GLIBC_TUNABLES=glibc.malloc.*) or preloads
+    another allocator: then it rules."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    return (any(os.environ.get(name) for name in GLIBC_ENV_SETTINGS)
+            or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+            or any(name in preload for name in OTHER_ALLOCATORS))
 
 
 def glibc():
@@ -40,9 +51,11 @@ def glibc():
 
 def keep_freed_memory() -> bool:
     """Fix glibc's trim and mmap thresholds (above) for the rest of the process. True if they were set; False
-    off glibc (macOS, musl, Windows) or when the environment sets glibc's own MALLOC_*_THRESHOLD_."""
+    off glibc (macOS, musl, Windows) or when the user chose (user_chose_malloc)."""
+    if user_chose_malloc():
+        return False
     libc = glibc()
-    if libc is None or any(os.environ.get(name) for name in GLIBC_ENV_SETTINGS):
+    if libc is None:
         return False
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int

@@ -617,7 +617,7 @@ def malloc_setting():
     which setting the run has."""
     if allocator.keep_freed_memory():
         return "freed memory kept for reuse (allocator.py)"
-    return "the C library's own (not glibc, or MALLOC_*_THRESHOLD_ set)"
+    return "the C library's own (not glibc, or the environment chose: allocator.user_chose_malloc)"
 
 
 def describe(cfg, device, num_params):

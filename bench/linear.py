@@ -49,11 +49,11 @@ PASSES = {"forward": 2, "backward": 4, "fwd+bwd": 6}
 PRODUCTS = {"forward": 2, "dX": 2, "dW": 2, "db": 0}
 FLOPS_PER_MNK = {**PASSES, **PRODUCTS}
 
-# From this many page faults per call (in the median round: the first touches of a first round do
-# not count) a side's time is noted as not the kernel's alone. A warm call reuses memory and faults
-# none; with glibc's defaults (--malloc-defaults) some processes hand freed blocks back to the
-# system and every call faults them in again (seen: 150 per fwd+bwd of 128x784->256, 580-830 per
-# 512x784->256, 0.7 ms of its 2.7, 2,000 per 1024^3), on either side.
+# From this many page faults per call (after one warm call, in the median round) a side's time is
+# noted as not the kernel's alone. A warm call reuses memory and faults none; with glibc's defaults
+# (--malloc-defaults) some processes hand freed blocks back to the system and every call faults
+# them in again (seen: 150 per fwd+bwd of 128x784->256, 580-830 per 512x784->256, 0.7 ms of its
+# 2.7, 2,000 per 1024^3), on either side.
 FAULTS_NOTED_PER_CALL = 2.0
 
 
@@ -126,6 +126,8 @@ def time_interleaved(statements: dict, min_run_time_s: float,
     and each statement's page faults per timed call, in its median round."""
     samples = {name: [] for name in statements}
     faults_per_call = {name: [] for name in statements}
+    for fn in statements.values():
+        fn()  # first touches of memory, before any call is counted
     for _ in range(rounds):
         for name, fn in statements.items():
             # Timer runs on 1 thread unless told otherwise.

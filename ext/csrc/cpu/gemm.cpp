@@ -167,6 +167,7 @@ class PackBuffer {
     const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
     if (bytes > capacity_) {
       std::free(data_);
+      capacity_ = 0;  // until the allocation below succeeds
       data_ = std::aligned_alloc(64, bytes);
       if (!data_) throw std::bad_alloc();
       capacity_ = bytes;
