@@ -5,8 +5,8 @@ is free, and serves blocks above M_MMAP_THRESHOLD from fresh mappings that free 
 process runs. A training step allocates and frees the same tensors step after step, so, depending on what
 the process did before, every step can fault all of them in again, a page of 4 KiB at a time. Measured here:
 three 4 MiB tensors (3,072 pages) made and freed together fault 2,016 pages every time in about 4 processes
-of 10 with the defaults, and none with the thresholds fixed; a ResNet-18 step (batch 64, 28x28) 7,600-28,700, none fixed;
-the kernel benchmark 150-2,000 per call on some shapes in some processes, on either side. torch and our
+of 10 with the defaults, and none with the thresholds fixed; a ResNet-18 step (batch 64, 28x28) 7,600-28,700,
+none fixed; the kernel benchmark 150-2,000 per call on some shapes in some processes, on either side. torch and our
 operator allocate through the same malloc, and the setting applies to both alike: with glibc's defaults the
 faults struck one side in one process and the other in the next.
 
@@ -28,6 +28,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
 GLIBC_ENV_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 # Allocators loaded in glibc's place: mallopt would then tune a malloc nobody uses
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# Every environment variable user_chose_malloc reads
+CHOICE_ENV = (*GLIBC_ENV_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def user_chose_malloc() -> bool:
@@ -59,7 +61,18 @@ def keep_freed_memory() -> bool:
         return False
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    return (mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+            and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1)
+
+
+def set_up(keep: bool = True) -> str:
+    """Keeps freed memory for reuse (unless keep is False) and says which malloc setting the process has, for
+    the trainer's log and the benchmarks' headers."""
+    if not keep:
+        return "the C library's defaults (--malloc-defaults)"
+    if keep_freed_memory():
+        return "freed memory kept for reuse (allocator.py)"
+    return "the C library's own (not glibc, or the environment chose: allocator.user_chose_malloc)"
 
 
 def minor_page_faults() -> int:

@@ -612,14 +612,6 @@ def class_name(node):
     return node._target_.rsplit(".", 1)[-1]
 
 
-def malloc_setting():
-    """Keeps freed memory for reuse (allocator.py: steps then stop faulting their tensors in again) and says
-    which setting the run has."""
-    if allocator.keep_freed_memory():
-        return "freed memory kept for reuse (allocator.py)"
-    return "the C library's own (not glibc, or the environment chose: allocator.user_chose_malloc)"
-
-
 def describe(cfg, device, num_params):
     """The run in one line: what trains on what, how, and where."""
     return (
@@ -733,7 +725,7 @@ def fit(cfg, run_dir):
         description = describe(cfg, device, num_params)
         log.info(f"run: {description}")
         log.info(f"folder: {run_dir}")
-        log.info(f"malloc: {malloc_setting()}")
+        log.info(f"malloc: {allocator.set_up()}")  # steps stop faulting their tensors in again
 
         show_progress = is_main and sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
         epoch_times_s = []

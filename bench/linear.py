@@ -254,7 +254,7 @@ def main(argv=None) -> None:
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does: "
                              "allocator.py)")
     args = parser.parse_args(argv)
-    kept = not args.malloc_defaults and allocator.keep_freed_memory()
+    malloc = allocator.set_up(keep=not args.malloc_defaults)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
     command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
               f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, "
-              f"malloc: {'freed memory kept' if kept else 'C library defaults'}")
+              f"malloc: {malloc}")
     print(header)
     markdown = [f"`{command.strip()}`", "", header, ""]
 

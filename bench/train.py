@@ -32,7 +32,7 @@ def main(argv=None):
                         help="more trainer overrides, e.g. model.hidden_sizes=[512,512] or model=resnet18")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    malloc = "the C library's defaults (--malloc-defaults)" if args.malloc_defaults else train.malloc_setting()
+    malloc = allocator.set_up(keep=not args.malloc_defaults)  # as the trainer runs, unless --malloc-defaults
 
     configs = {
         linear: train.load_config([

@@ -35,8 +35,7 @@ GIVE_EVERYTHING_BACK = {"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHO
 
 
 def faults_per_step(mode, **glibc_env):
-    chosen = (*allocator.GLIBC_ENV_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD")
-    env = {name: value for name, value in os.environ.items() if name not in chosen}
+    env = {name: value for name, value in os.environ.items() if name not in allocator.CHOICE_ENV}
     result = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=REPO, capture_output=True, text=True,
                             timeout=120, env={**env, "PYTHONPATH": str(REPO), **glibc_env})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -67,7 +66,7 @@ class NoMallopt:
                                          ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072"),
                                          ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")])
 def test_the_environments_choice_of_allocator_rules(monkeypatch, name, value):
-    for other in (*allocator.GLIBC_ENV_SETTINGS, "GLIBC_TUNABLES", "LD_PRELOAD"):
+    for other in allocator.CHOICE_ENV:
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setattr(allocator, "glibc", NoMallopt)
     monkeypatch.setenv(name, value)

@@ -57,25 +57,27 @@ bool side_by_side(int64_t batch, int64_t out_features, int64_t in_features) {
   return flops_per_product >= cpu::kParallelMinFlops && at::get_num_threads() == 2 && !at::in_parallel_region();
 }
 
-// Side by side, dX and dW are each cut into chunks of one column panel where
-// cpu::ColumnChunks allows it, and a thread done with its own product takes the other's
-// chunks still left, so neither waits while the other works. A product stays one chunk when
-// its rows make several blocks, its packed A is deeper than one K block, or its C is written
-// row after row: dW of 128x2048->1000 (C's rows 8 KiB apart) and dW of a batch of 512 with
-// 1000 outputs (dYᵀ several blocks) stay whole, and then only dX is shared. Which product is longer depends on the shape (one thread: dX 3.1 ms and dW 2.8 for
-// 128x2048->1000, 0.35 and 0.40 for 512x256->256), and on a shared machine either core may run
-// slow for a while. dW's chunks share one packed copy of dYᵀ (cpu::ColumnChunks), so cutting
-// it repacks nothing. Each element gets the same arithmetic whichever thread computes it, so
-// results stay bit-identical. Only from kSharedMinFlops per product, where a chunk's own setup
-// is lost in it. Measured (2 threads, single calls alternating with the previous scheme, where
-// only dX was cut, in 192-column chunks, and only from 64 Mflop; median of the paired ratios,
-// while one vCPU ran slow): fwd+bwd 128x784->256 0.957, 128x256->256 0.974, 512x784->256
-// 0.988, 512x256->256 1.001, 128x256->10 1.000 (with the forward's column slabs shared too,
-// see cpu::gemm); backward alone 128x784->256 0.957, 128x256->256 0.948 (sharing from 4 rather
-// than 64 Mflop), 512x784->256 0.892 (one-panel chunks), 128x2048->1000 1.001 (only dX cut), 1024^3 0.999. With
-// both vCPUs at full speed it is a wash: fwd+bwd 128x784->256 1.006, 128x256->256 1.015,
-// 512x784->256 0.996, 512x256->256 1.020 (its backward alone 1.080, 1.015 and 0.991 in three
-// runs). On one thread, running a backward in chunks rather than whole cost 0-1.4%.
+// Side by side, dX and dW are each cut into chunks of one column panel where cpu::ColumnChunks
+// allows it, and a thread done with its own product takes the other's chunks still left, so
+// neither waits while the other works. A product stays one chunk when its rows make several
+// blocks, its packed A is deeper than one K block, or its C is written row after row: dW of
+// 128x2048->1000 (C's rows 8 KiB apart) and dW of a batch of 512 with 1000 outputs (dYᵀ
+// several blocks) stay whole, and then only dX is shared. Which product is longer depends on
+// the shape (one thread: dX 3.1 ms and dW 2.8 for 128x2048->1000, 0.35 and 0.40 for
+// 512x256->256), and on a shared machine either core may run slow for a while. dW's chunks
+// share one packed copy of dYᵀ (cpu::ColumnChunks), so cutting it repacks nothing. Each
+// element gets the same arithmetic whichever thread computes it, so results stay
+// bit-identical. Only from kSharedMinFlops per product, where a chunk's own setup is lost in
+// it. Measured (2 threads, single calls alternating with the previous scheme, where only dX
+// was cut, in 192-column chunks, and only from 64 Mflop; median of the paired ratios, while
+// one vCPU ran slow): fwd+bwd 128x784->256 0.957, 128x256->256 0.974, 512x784->256 0.988,
+// 512x256->256 1.001, 128x256->10 1.000 (with the forward's column slabs shared too, see
+// cpu::gemm); backward alone 128x784->256 0.957, 128x256->256 0.948 (sharing from 4 rather
+// than 64 Mflop), 512x784->256 0.892 (one-panel chunks), 128x2048->1000 1.001 (only dX cut),
+// 1024^3 0.999. With both vCPUs at full speed it is a wash: fwd+bwd 128x784->256 1.006,
+// 128x256->256 1.015, 512x784->256 0.996, 512x256->256 1.020 (its backward alone 1.080, 1.015
+// and 0.991 in three runs). On one thread, running a backward in chunks rather than whole cost
+// 0-1.4%.
 constexpr int64_t kSharedChunkPanels = 1;
 constexpr double kSharedMinFlops = 8e6;
 
