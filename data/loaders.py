@@ -50,7 +50,9 @@ class InMemoryLoader:
             len(self.labels), self.batch_size, self.shuffle, self.generator, self.rank, self.world_size,
             self.images.device,
         ):
-            yield self.images[index], self.labels[index]
+            # index_select rather than images[index]: 11 instead of 63 us for a batch of 128
+            # MNIST images here (2 threads), the same copy.
+            yield self.images.index_select(0, index), self.labels.index_select(0, index)
 
 
 class ShardedBatchSampler:

@@ -85,3 +85,19 @@ def test_a_side_that_page_faults_on_most_calls_is_noted():
     notes = bench_linear.fault_notes([quiet, faulting])
     assert len(notes) == 1
     assert notes[0].startswith("note: 512x784->256 fwd+bwd: page faults per call: ext 580;")
+
+
+def test_share_of_peak_is_taken_from_the_highest_peak_reading(monkeypatch, capsys):
+    # A reading taken while another tenant held a core (50) must not inflate the % column.
+    readings = iter([100.0, 50.0, 200.0])
+    monkeypatch.setattr(bench_linear, "fma_peak_gflops", lambda threads: next(readings))
+    bench_linear.main(["--threads", "1", "--shapes", "64x256->256,3x7->33", "--min-run-time", "0.01",
+                       "--rounds", "1"])
+    captured = capsys.readouterr()
+    assert "measured FMA peak 200 GFLOP/s: the highest of 3 readings, the lowest 50" in captured.out
+    rows = [line.split() for line in captured.out.splitlines() if line.split()[:1] == ["64x256->256"]]
+    assert len(rows) == 3
+    for cells in rows:
+        ext_gflops, share = float(cells[5]), float(cells[8].rstrip("%"))
+        assert abs(share - 100 * ext_gflops / 200) <= 1  # both cells are rounded
+    assert "64x256->256: torch/ext forward" in captured.err and "3x7->33: torch/ext forward" in captured.err
