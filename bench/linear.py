@@ -18,6 +18,7 @@ db = the sum of dY's rows, against the torch calls that compute the same.
 Example:
     python -m bench.linear --threads all,1 --markdown bench_linear.md
     python -m bench.linear --products --threads 1 --shapes '128x784->256'
+    python -m bench.linear --cpu-path avx2+fma     # the AVX2 kernels (what a Zen3 runs) on this CPU
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ SQUARE_SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048)]
 SHAPES = MLP_SHAPES + HEAD_SHAPES + SQUARE_SHAPES
 QUICK_SHAPES = [(128, 784, 256), (128, 256, 10), (1024, 1024, 1024)]
 CUDA_EXTRA_SHAPES = [(4096, 4096, 4096)]
+CPU_PATHS = ("avx512", "avx2+fma", "portable")  # torch.ops.ext.set_cpu_path's names
 
 # Flops per pass, in units of M*N*K multiply-adds (2 flops each): the forward is
 # one product, the backward two (dX and dW; db is a sum, negligible).
@@ -266,7 +268,15 @@ def main(argv=None) -> None:
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does: "
                              "allocator.py)")
+    parser.add_argument("--cpu-path", choices=CPU_PATHS,
+                        help="run ext's kernels on this path (default: the best this CPU has; the %% of peak stays "
+                             "against the widest FMA the CPU has)")
     args = parser.parse_args(argv)
+    if args.cpu_path:
+        try:
+            torch.ops.ext.set_cpu_path(args.cpu_path)
+        except RuntimeError as error:
+            parser.error(str(error).splitlines()[0])
     malloc = allocator.set_up(keep=not args.malloc_defaults)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)

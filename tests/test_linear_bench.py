@@ -101,3 +101,24 @@ def test_share_of_peak_is_taken_from_the_highest_peak_reading(monkeypatch, capsy
         ext_gflops, share = float(cells[5]), float(cells[8].rstrip("%"))
         assert abs(share - 100 * ext_gflops / 200) <= 1  # both cells are rounded
     assert "64x256->256: torch/ext forward" in captured.err and "3x7->33: torch/ext forward" in captured.err
+
+
+def test_cpu_path_option_runs_ext_on_that_path(capsys):
+    previous = torch.ops.ext.cpu_path()
+    try:
+        bench_linear.main(["--cpu-path", "portable", "--threads", "1", "--shapes", "8x12->5",
+                           "--min-run-time", "0.001", "--rounds", "1"])
+        assert "CPU path portable," in capsys.readouterr().out
+    finally:
+        torch.ops.ext.set_cpu_path(previous)
+
+
+def test_cpu_path_this_cpu_lacks_is_one_clear_error(monkeypatch, capsys):
+    def lacking(name):
+        raise RuntimeError(f"ext.set_cpu_path: this CPU cannot run the {name} path\nException raised from ...")
+    monkeypatch.setattr(torch.ops.ext, "set_cpu_path", lacking)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_linear.main(["--cpu-path", "avx512", "--threads", "1", "--shapes", "8x12->5"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "this CPU cannot run the avx512 path" in err and "Exception raised from" not in err

@@ -28,10 +28,13 @@ namespace ext::cpu {
 
 namespace {
 
-// Block sizes for this host: a Xeon (KVM) with, per core, 48 KiB L1d and 2 MiB
-// L2, and a large shared L3. (Zen3, which the project first assumed, has 32 KiB
-// and 512 KiB: the A micro-panel below still fits its L1, and the AVX2 path,
-// the one Zen3 takes, gets an MC sized for its L2.)
+// Block sizes for the host they were tuned on: a Xeon (KVM) with, per core, 48 KiB
+// L1d and 2 MiB L2, and a large shared L3. (Zen3, which the project first assumed,
+// has 32 KiB and 512 KiB: the A micro-panel below still fits its L1, and the AVX2
+// path, the one Zen3 takes, gets an MC sized for its L2.) On the AMD EPYC (Zen 4:
+// 32 KiB L1d, 1 MiB L2) the project moved to later, sizes for its caches (these two
+// at 32 KiB and 1 MiB, kMCAvx512 = 120) were no faster: ext's time per product
+// (bench.linear --products, 1 thread, every shape) 0.92-1.13 of these, geomean 0.996.
 constexpr int64_t kL1dBytes = 48 * 1024;
 constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
 
@@ -63,6 +66,9 @@ constexpr int64_t kMaxSingleKBlock = 3200 / sizeof(T);
 // room for the B micro-panels streaming through.
 constexpr int64_t kMCAvx512 = 240;
 static_assert(kMCAvx512 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kL2Bytes / 4);
+// pack_a fills whole MR-row panels: an MC that is not a multiple of every MR of its path
+// (AVX-512: 8 and 6, AVX2: 6, portable: 4) would overrun the MC-row buffer.
+static_assert(kMCAvx512 % 8 == 0 && kMCAvx512 % 6 == 0);
 // AVX2 (the path Zen3 takes, 512 KiB L2): 120 rows = 240 KiB, under half of that
 // L2, so the A block and the B micro-panels (KC x 16 floats = 32 KiB) share it.
 constexpr int64_t kZen3L2Bytes = 512 * 1024;
@@ -70,6 +76,7 @@ constexpr int64_t kMCAvx2 = 120;
 static_assert(kMCAvx2 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kZen3L2Bytes / 2);
 // Portable (unknown caches): the AVX2 size, the smaller, safer one.
 constexpr int64_t kMCPortable = kMCAvx2;
+static_assert(kMCAvx2 % 6 == 0 && kMCPortable % 4 == 0);
 
 int64_t block_rows(CpuPath path) {
   switch (path) {
