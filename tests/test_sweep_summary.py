@@ -33,6 +33,7 @@ def test_run_summary_holds_final_best_and_means(tmp_path):
     assert sweep_summary.read_run_summary(tmp_path) == summary
     assert summary["val/acc"] == 0.8 and summary["val/acc_best"] == 0.9 and summary["epochs"] == 2
     assert summary["time/epoch_s_mean"] == 3.0 and summary["throughput/train_samples_per_s_mean"] == 75.0
+    assert summary["time/epoch_s_min"] == 2.0
     assert summary["num_params"] == 1234 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     assert set(sweep_summary.OBJECTIVES) <= set(summary)
 
@@ -41,8 +42,11 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     # jobs 0/1 and 2/3 differ only in linear; job 4 has no partner; job 5 failed, job 6 was killed
     make_job(tmp_path, 0, ["linear=torch", "model.hidden_sizes=[64]"], "torch", [epoch(0.90, 2.0, 10.0)])
     make_job(tmp_path, 1, ["linear=custom", "model.hidden_sizes=[64]"], "custom", [epoch(0.92, 1.0, 20.0)])
-    make_job(tmp_path, 2, ["linear=torch", "model.hidden_sizes=[128]"], "torch", [epoch(0.95, 3.0, 10.0)])
-    make_job(tmp_path, 3, ["linear=custom", "model.hidden_sizes=[128]"], "custom", [epoch(0.94, 4.0, 20.0)])
+    # job 3's second epoch was slowed by a busy moment: by mean epochs 0.75x, by fastest epochs 1.5x
+    make_job(tmp_path, 2, ["linear=torch", "model.hidden_sizes=[128]"], "torch",
+             [epoch(0.95, 3.0, 10.0), epoch(0.95, 3.0, 10.0)])
+    make_job(tmp_path, 3, ["linear=custom", "model.hidden_sizes=[128]"], "custom",
+             [epoch(0.94, 2.0, 20.0), epoch(0.94, 6.0, 20.0)])
     make_job(tmp_path, 4, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
     make_job(tmp_path, 5, ["optim.lr=9"], "custom", [], finished=False, error="loss became nan in epoch 1")
     make_job(tmp_path, 6, ["optim.lr=8"], "torch", [], finished=False)
@@ -57,12 +61,16 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     assert rows[1]["overrides"] == "linear=custom model.hidden_sizes=[64]" and rows[1]["num_params"] == "1001"
     assert float(rows[1]["speedup_vs_torch"]) == pytest.approx(2.0)
     assert float(rows[1]["val_acc_diff_points_vs_torch"]) == pytest.approx(2.0)
+    assert float(rows[1]["speedup_fastest_vs_torch"]) == pytest.approx(2.0)
     assert float(rows[3]["speedup_vs_torch"]) == pytest.approx(0.75)
+    assert float(rows[3]["speedup_fastest_vs_torch"]) == pytest.approx(1.5)
+    assert rows[3]["epoch_s_mean"] == "4.0" and rows[3]["epoch_s_min"] == "2.0"
     assert float(rows[3]["val_acc_diff_points_vs_torch"]) == pytest.approx(-1.0)
     assert rows[0]["speedup_vs_torch"] == rows[4]["speedup_vs_torch"] == ""
     assert (tmp_path / "summary.md").read_text() == markdown
-    assert "| `model.hidden_sizes=[64]` | 2.00x | +2.00 points |" in markdown
-    assert "| `model.hidden_sizes=[128]` | 0.75x | -1.00 points |" in markdown
+    assert "| `model.hidden_sizes=[64]` | 2.00x | 2.00x | +2.00 points |" in markdown
+    assert "| `model.hidden_sizes=[128]` | 0.75x | 1.50x | -1.00 points |" in markdown
+    assert "trust the fastest epochs more" in markdown
     assert markdown.count("_job |") == 7 and "7 jobs, 2 failed" in markdown
     assert "| 5_job | `optim.lr=9` | loss became nan in epoch 1 |" in markdown.split("## Failed jobs")[1]
 
@@ -88,7 +96,7 @@ def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)])
     make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)])
     sweep_summary.main([str(tmp_path)])
-    assert "| `` | 2.00x | +2.00 points |" in capsys.readouterr().out
+    assert "| `` | 2.00x | 2.00x | +2.00 points |" in capsys.readouterr().out
     assert (tmp_path / "summary.csv").is_file() and (tmp_path / "summary.md").is_file()
     with pytest.raises(SystemExit):
         sweep_summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
@@ -103,3 +111,17 @@ def test_jobs_of_an_earlier_sweep_in_the_same_folder_are_left_out(tmp_path):
     (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
     os.utime(tmp_path / "multirun.yaml", ns=(0, old.stat().st_mtime_ns + 10**8))
     assert [row["job"] for row in sweep_summary.job_rows(tmp_path)] == ["1_job"]
+
+
+def test_summaries_written_before_the_fastest_epoch_was_recorded_still_summarise(tmp_path):
+    for num, linear, epoch_s in ((0, "torch", 2.0), (1, "custom", 1.0)):
+        make_job(tmp_path, num, [f"linear={linear}"], linear, [epoch(0.9, epoch_s, 10.0)])
+        summary_path = tmp_path / f"{num}_job" / "summary.json"
+        old = sweep_summary.read_run_summary(summary_path.parent)
+        del old["time/epoch_s_min"]
+        sweep_summary.write_text_atomic(summary_path, sweep_summary.json.dumps(old))
+    markdown = sweep_summary.summarize_sweep(tmp_path)
+    assert "| `` | 2.00x | - | +0.00 points |" in markdown
+    with open(tmp_path / "summary.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert rows[1]["speedup_vs_torch"] == "2.0000" and rows[1]["speedup_fastest_vs_torch"] == ""
