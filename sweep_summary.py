@@ -1,12 +1,11 @@
 """Run summaries and the sweep summary.
 
 Every run writes `summary.json` into its folder when it ends: the final value of every per-epoch tag,
-the best val/acc, mean epoch time and throughput, and the parameter count. At the end of every multirun
+the best val/acc, mean and fastest epoch time, throughput, and the parameter count. At the end of every multirun
 the Hydra callback `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs' summaries
 into `summary.csv` and `summary.md` in the sweep folder, one row per job, and compares every pair of jobs
 that differ only in `linear`: the speedup of custom over torch (by mean and by fastest epoch) and the
-difference in val/acc. It prints
-the markdown at the end of the sweep. A job that failed leaves `failed.txt` (its error) instead of
+difference in val/acc. It prints the markdown at the end of the sweep. A job that failed leaves `failed.txt` (its error) instead of
 `summary.json`; the other jobs still run, the summary lists it with its error, and the sweep exits with 1.
 
     python train.py -m linear=torch,custom model.hidden_sizes=[256],[1024]
@@ -166,9 +165,10 @@ def to_csv(rows, pairs):
                                                                 "val_acc_diff_points_vs_torch", "error"])
     for row in rows:
         pair = compared.get(id(row))
-        fastest = fastest_speedup(*pair) if pair else None
-        extra = ([f"{speedup(*pair):.4f}", "" if fastest is None else f"{fastest:.4f}",
-                  f"{val_acc_diff_points(*pair):.2f}"] if pair else ["", "", ""])
+        extra = ["", "", ""]
+        if pair:
+            ratios = (speedup(*pair), fastest_speedup(*pair))  # None for a summary written without the key
+            extra = ["" if ratio is None else f"{ratio:.4f}" for ratio in ratios] + [f"{val_acc_diff_points(*pair):.2f}"]
         writer.writerow([row.get(key, "") for _, key, _ in JOB_COLUMNS] + extra + [row.get("error", "")])
     return out.getvalue()
 
@@ -200,7 +200,7 @@ def to_markdown(sweep_dir, rows, pairs):
             [
                 [
                     "`" + " ".join(o for o in custom["override_list"] if override_key(o) != "linear") + "`",
-                    f"{speedup(torch_row, custom):.2f}x",
+                    format_or_dash("{:.2f}x", speedup(torch_row, custom)),
                     format_or_dash("{:.2f}x", fastest_speedup(torch_row, custom)),
                     f"{val_acc_diff_points(torch_row, custom):+.2f} points",
                 ]

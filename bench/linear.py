@@ -9,7 +9,7 @@ rounds (how far one run on a shared machine can be trusted), and ext's share of
 this machine's FMA peak, measured by the extension itself (the highest of the
 readings taken before the first shape and after each); then geometric means of
 the ratios, again with their range over the rounds. Each shape's ratios print
-to stderr as it finishes, the tables once all its shapes are done.
+to stderr as it finishes; each thread count's tables print once all shapes are done.
 
 With --products it times instead each product of a training step alone, through
 the raw ops (no autograd): the forward Y = X·Wᵀ + b, dX = dY·W, dW = dYᵀ·X and
@@ -169,7 +169,8 @@ def fault_notes(rows: list[Row]) -> list[str]:
     return notes
 
 
-def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, rounds, products=False) -> list[Row]:
+def bench_shape(shape, device, threads_label, min_run_time_s, rounds, products=False) -> list[Row]:
+    """One shape's rows, without a peak (main adds the peak once it has every reading)."""
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=gen, requires_grad=True)
@@ -184,7 +185,7 @@ def bench_shape(shape, device, threads_label, peak_gflops, min_run_time_s, round
     rows = []
     for pass_name, (torch_call, ext_call) in pairs.items():
         times, faults = time_interleaved({"torch": torch_call, "ext": ext_call}, min_run_time_s, rounds)
-        rows.append(compare(pass_name, shape, device, threads_label, peak_gflops, times["torch"], times["ext"],
+        rows.append(compare(pass_name, shape, device, threads_label, None, times["torch"], times["ext"],
                             (faults["torch"], faults["ext"])))
     return rows
 
@@ -219,7 +220,7 @@ def fma_peak_gflops(threads: int) -> float:
 
 
 def progress_line(rows: list[Row]) -> str:
-    """One shape's rows in brief, printed (to stderr) as the shape finishes: '128x256->10: forward 1.90, ...'."""
+    """One shape's rows in brief, printed (to stderr) as the shape finishes: '128x256->10: torch/ext forward 1.90, ...'."""
     m, k, n = rows[0].shape
     return f"{m}x{k}->{n}: torch/ext " + ", ".join(f"{r.pass_name} {r.ratio:.2f}" for r in rows)
 
@@ -276,7 +277,7 @@ def main(argv=None) -> None:
         try:
             torch.ops.ext.set_cpu_path(args.cpu_path)
         except RuntimeError as error:
-            parser.error(str(error).splitlines()[0])
+            parser.error((str(error).splitlines() or [f"cannot run the {args.cpu_path} path"])[0])
     malloc = allocator.set_up(keep=not args.malloc_defaults)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
@@ -297,13 +298,13 @@ def main(argv=None) -> None:
         peak_readings = [fma_peak_gflops(count)]
         rows = []
         for shape in shapes:
-            shape_rows = bench_shape(shape, "cpu", str(count), None, min_run_time_s, rounds, args.products)
+            shape_rows = bench_shape(shape, "cpu", str(count), min_run_time_s, rounds, args.products)
             peak_readings.append(fma_peak_gflops(count))
             print(progress_line(shape_rows), file=sys.stderr, flush=True)
             rows += shape_rows
         peak = max(peak_readings)
         rows = [replace(r, peak_gflops=peak) for r in rows]
-        title = (f"CPU, {count} thread{'s' if count > 1 else ''} (measured FMA peak {peak:.0f} GFLOP/s: the highest "
+        title = (f"CPU, {count} thread{'s' if count != 1 else ''} (measured FMA peak {peak:.0f} GFLOP/s: the highest "
                  f"of {len(peak_readings)} readings, the lowest {min(peak_readings):.0f})")
         print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER))
         print(format_text(rows))
@@ -316,7 +317,7 @@ def main(argv=None) -> None:
         title = f"CUDA, {torch.cuda.get_device_name()} (vs cuBLAS)"
         print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
         rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
-                for row in bench_shape(shape, "cuda", "-", None, min_run_time_s, rounds, args.products)]
+                for row in bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products)]
         print(format_text(rows))
         summary = summary_lines(rows) + fault_notes(rows)
         print("\n".join(summary))

@@ -9,6 +9,16 @@ import allocator
 from bench import linear as bench_linear
 
 
+@pytest.fixture(autouse=True)
+def restore_threads_and_cpu_path():
+    """bench.linear's main sets torch's thread count (and may set ext's CPU path) for the rest of the
+    process, as a command should; the tests after these must not inherit them."""
+    threads, cpu_path = torch.get_num_threads(), torch.ops.ext.cpu_path()
+    yield
+    torch.set_num_threads(threads)
+    torch.ops.ext.set_cpu_path(cpu_path)
+
+
 def test_parse_shapes():
     assert bench_linear.parse_shapes("128x256->10,1024x1024->1024") == [(128, 256, 10), (1024, 1024, 1024)]
     with pytest.raises(argparse.ArgumentTypeError, match="bad shape '128x256'"):
@@ -104,13 +114,9 @@ def test_share_of_peak_is_taken_from_the_highest_peak_reading(monkeypatch, capsy
 
 
 def test_cpu_path_option_runs_ext_on_that_path(capsys):
-    previous = torch.ops.ext.cpu_path()
-    try:
-        bench_linear.main(["--cpu-path", "portable", "--threads", "1", "--shapes", "8x12->5",
-                           "--min-run-time", "0.001", "--rounds", "1"])
-        assert "CPU path portable," in capsys.readouterr().out
-    finally:
-        torch.ops.ext.set_cpu_path(previous)
+    bench_linear.main(["--cpu-path", "portable", "--threads", "1", "--shapes", "8x12->5",
+                       "--min-run-time", "0.001", "--rounds", "1"])
+    assert "CPU path portable," in capsys.readouterr().out
 
 
 def test_cpu_path_this_cpu_lacks_is_one_clear_error(monkeypatch, capsys):

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <deque>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -32,8 +33,8 @@ namespace {
 // L1d and 2 MiB L2, and a large shared L3. (Zen3, which the project first assumed,
 // has 32 KiB and 512 KiB: the A micro-panel below still fits its L1, and the AVX2
 // path, the one Zen3 takes, gets an MC sized for its L2.) On the AMD EPYC (Zen 4:
-// 32 KiB L1d, 1 MiB L2) the project moved to later, sizes for its caches (these two
-// at 32 KiB and 1 MiB, kMCAvx512 = 120) were no faster: ext's time per product
+// 32 KiB L1d, 1 MiB L2) that the project later moved to, sizes tuned for its caches
+// (these two at 32 KiB and 1 MiB, kMCAvx512 = 120) were no faster: ext's time per product
 // (bench.linear --products, 1 thread, every shape) 0.92-1.13 of these, geomean 0.996.
 constexpr int64_t kL1dBytes = 48 * 1024;
 constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
@@ -61,14 +62,12 @@ template <typename T>
 constexpr int64_t kMaxSingleKBlock = 3200 / sizeof(T);
 
 // MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path, each a
-// multiple of its MR (8 on AVX-512, 6 on AVX2, 4 portable).
+// multiple of every MR of its path's tiles (checked when a path's tiles are built:
+// pack_a fills whole MR-row panels, so any other MC would overrun the MC-row buffer).
 // AVX-512 (this Xeon, 2 MiB L2): 240 rows = 480 KiB, a quarter of L2, leaving
 // room for the B micro-panels streaming through.
 constexpr int64_t kMCAvx512 = 240;
 static_assert(kMCAvx512 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kL2Bytes / 4);
-// pack_a fills whole MR-row panels: an MC that is not a multiple of every MR of its path
-// (AVX-512: 8 and 6, AVX2: 6, portable: 4) would overrun the MC-row buffer.
-static_assert(kMCAvx512 % 8 == 0 && kMCAvx512 % 6 == 0);
 // AVX2 (the path Zen3 takes, 512 KiB L2): 120 rows = 240 KiB, under half of that
 // L2, so the A block and the B micro-panels (KC x 16 floats = 32 KiB) share it.
 constexpr int64_t kZen3L2Bytes = 512 * 1024;
@@ -76,7 +75,6 @@ constexpr int64_t kMCAvx2 = 120;
 static_assert(kMCAvx2 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kZen3L2Bytes / 2);
 // Portable (unknown caches): the AVX2 size, the smaller, safer one.
 constexpr int64_t kMCPortable = kMCAvx2;
-static_assert(kMCAvx2 % 6 == 0 && kMCPortable % 4 == 0);
 
 int64_t block_rows(CpuPath path) {
   switch (path) {
@@ -130,19 +128,29 @@ CpuPath g_active_path = best_cpu_path();
 // Each path's table of tile and packing functions, built on the path's first use
 // (not at load: the AVX-512 file may not run on this CPU), then shared by every call.
 template <typename T>
+Microkernels<T> checked_against_block_rows(Microkernels<T> table, CpuPath path) {
+  for (const Microkernel<T>* uk : {&table.wide, &table.narrow, &table.many_rows})
+    if (block_rows(path) % uk->mr != 0)
+      throw std::logic_error("ext: the CPU path's MC (" + std::to_string(block_rows(path)) +
+                             " rows) is not a multiple of a tile's MR (" + std::to_string(uk->mr) +
+                             "); change kMC* in gemm.cpp");
+  return table;
+}
+
+template <typename T>
 const Microkernels<T>& microkernels(CpuPath path) {
   switch (path) {
     case CpuPath::Avx512: {
-      static const Microkernels<T> table = avx512_microkernels<T>();
+      static const Microkernels<T> table = checked_against_block_rows(avx512_microkernels<T>(), path);
       return table;
     }
     case CpuPath::Avx2Fma: {
-      static const Microkernels<T> table = avx2_microkernels<T>();
+      static const Microkernels<T> table = checked_against_block_rows(avx2_microkernels<T>(), path);
       return table;
     }
     case CpuPath::Portable: break;
   }
-  static const Microkernels<T> table = portable_microkernels<T>();
+  static const Microkernels<T> table = checked_against_block_rows(portable_microkernels<T>(), path);
   return table;
 }
 
