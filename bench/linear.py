@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import statistics
@@ -31,7 +32,14 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
+
+# torch.utils.benchmark imports cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime
+# is found" as it loads; the benchmark compiles nothing, so that warning is only noise. Quiet for the import.
+_cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+_level = _cpp_extension_log.level
+_cpp_extension_log.setLevel(logging.ERROR)
+from torch.utils import benchmark  # noqa: E402
+_cpp_extension_log.setLevel(_level)
 
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
