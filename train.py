@@ -243,6 +243,9 @@ OPTION_RULES = (
     ("model.dropout", lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
     ("optim.weight_decay", lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
     ("optim.momentum", lambda v: is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    # an override reads only true/false as booleans; another word is a string, which would count as true
+    ("linear.fuse_relu", lambda v: isinstance(v, bool), "true or false"),
+    ("data.download", lambda v: isinstance(v, bool), "true or false"),
 )
 
 

@@ -125,6 +125,8 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("model.activation=swish", "model.activation=swish is invalid"),
     ("model.dropout=1.0", "model.dropout=1.0 is invalid"),
     ("trainer.device=tpu", "trainer.device=tpu is invalid"),
+    ("linear.fuse_relu=maybe", "linear.fuse_relu=maybe is invalid: it must be true or false"),
+    ("data.download=maybe", "data.download=maybe is invalid: it must be true or false"),
     ("~seed", "seed is missing"),
     # a key another option of the group has, which this option's class does not take
     ("+optim.momentum=0.5", "optim.momentum is not a setting of torch.optim.AdamW: it takes lr, betas, eps,"),
