@@ -147,6 +147,12 @@ def fastest_speedup(torch_row, custom_row):
     return speedup(torch_row, custom_row, "time/epoch_s_min")
 
 
+def others_text(override_list):
+    """A pair's overrides besides `linear`, as markdown code, or '(none)'."""
+    others = " ".join(o for o in override_list if override_key(o) != "linear")
+    return f"`{others}`" if others else "(none)"
+
+
 def format_or_dash(fmt, value):
     return "-" if value is None else fmt.format(value)
 
@@ -199,7 +205,7 @@ def to_markdown(sweep_dir, rows, pairs):
              "val_acc custom - torch"],
             [
                 [
-                    "`" + " ".join(o for o in custom["override_list"] if override_key(o) != "linear") + "`",
+                    others_text(custom["override_list"]),
                     format_or_dash("{:.2f}x", speedup(torch_row, custom)),
                     format_or_dash("{:.2f}x", fastest_speedup(torch_row, custom)),
                     f"{val_acc_diff_points(torch_row, custom):+.2f} points",
@@ -208,9 +214,10 @@ def to_markdown(sweep_dir, rows, pairs):
             ],
         )
         text += (f"\n## linear=custom vs linear=torch (epoch time ratios)\n\n{comparisons}\n\n"
-                 "The jobs ran one after another, so a busy moment on the machine slowed one side only: where "
-                 "the two ratios differ, trust the fastest epochs more, and for a fair measurement interleave "
-                 "the two linears' epochs in one process (`python -m bench.train`).\n")
+                 "Each side ran as its own job, one after the other or beside other jobs, so a busy moment on "
+                 "the machine can slow one side only: where the two ratios differ, trust the fastest epochs "
+                 "more, and for a fair measurement interleave the two linears' epochs in one process "
+                 "(`python -m bench.train`).\n")
     return text
 
 

@@ -615,13 +615,25 @@ def class_name(node):
     return node._target_.rsplit(".", 1)[-1]
 
 
+def counted(count, noun):
+    """'1 thread', '2 threads'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def processes_text():
+    """' each, 2 processes (gloo)' under torchrun, else ''."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return f" each, {dist.get_world_size()} processes ({dist.get_backend()})"
+
+
 def describe(cfg, device, num_params):
     """The run in one line: what trains on what, how, and where."""
     return (
         f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
-        f"batch {cfg.data.batch_size} x {cfg.trainer.epochs} epochs | seed {cfg.seed} | "
-        f"{device}, {torch.get_num_threads()} threads | "
+        f"batch {cfg.data.batch_size} x {counted(cfg.trainer.epochs, 'epoch')} | seed {cfg.seed} | "
+        f"{device}, {counted(torch.get_num_threads(), 'thread')}{processes_text()} | "
         f"{num_params:,} parameters"
     )
 

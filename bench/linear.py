@@ -245,9 +245,15 @@ def format_markdown(rows: list[Row]) -> str:
 
 
 def parse_threads(text: str) -> list[int]:
+    """'all,1' -> [os.cpu_count(), 1]."""
     counts = []
     for item in text.split(","):
-        counts.append(os.cpu_count() if item.strip() == "all" else int(item))
+        item = item.strip()
+        count = os.cpu_count() if item == "all" else int(item) if item.isdigit() else 0
+        if count <= 0:
+            raise argparse.ArgumentTypeError(f"bad thread count {item!r}: write positive integers or 'all', "
+                                             "e.g. all,1")
+        counts.append(count)
     return counts
 
 
@@ -258,15 +264,20 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
         try:
             batch_in, out = item.split("->")
             batch, in_features = batch_in.split("x")
-            shapes.append((int(batch), int(in_features), int(out)))
+            shape = (int(batch), int(in_features), int(out))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"bad shape {item!r}: write batch x in -> out, e.g. 128x256->10")
+            shape = (0,)
+        if min(shape) <= 0:
+            raise argparse.ArgumentTypeError(f"bad shape {item!r}: write batch x in -> out, each a positive "
+                                             "integer, e.g. 128x256->10")
+        shapes.append(shape)
     return shapes
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", default="all,1", help="comma-separated thread counts; 'all' = every core")
+    parser = argparse.ArgumentParser(prog="python -m bench.linear", description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=parse_threads, default="all,1",
+                        help="comma-separated thread counts; 'all' = every core")
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
     parser.add_argument("--products", action="store_true",
                         help="time the forward, dX, dW and db products alone (raw ops, no autograd)")
@@ -298,7 +309,7 @@ def main(argv=None) -> None:
     print(header)
     markdown = [f"`{command.strip()}`", "", header, ""]
 
-    for count in parse_threads(args.threads):
+    for count in args.threads:
         torch.set_num_threads(count)
         # The peak is read before the first shape and after each one, and the highest reading counts: one
         # reading (~0.1 s) can fall in a moment when another tenant holds a core, and then every row's

@@ -20,12 +20,24 @@ import train
 LINEARS = ("torch", "custom")
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=5, help="timed epochs per linear (after one warm-up)")
-    parser.add_argument("--train-size", type=int, default=60_000)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (default: all)")
+    parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=positive_int, default=5, help="timed epochs per linear (after one warm-up)")
+    parser.add_argument("--train-size", type=positive_int, default=60_000)
+    parser.add_argument("--batch-size", type=positive_int, default=128)
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
+                        help="torch threads (default: all)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does)")
     parser.add_argument("overrides", nargs="*",
@@ -34,16 +46,15 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     malloc = allocator.set_up(keep=not args.malloc_defaults)  # as the trainer runs, unless --malloc-defaults
 
-    configs = {
-        linear: train.load_config([
-            "model=mlp", f"linear={linear}", "data=fake", "data.image_size=[1,28,28]",
-            f"data.train_size={args.train_size}", "data.val_size=16", f"data.batch_size={args.batch_size}",
-            "data.loader=memory", *args.overrides,
-        ])
+    overrides = {
+        linear: ["model=mlp", f"linear={linear}", "data=fake", "data.image_size=[1,28,28]",
+                 f"data.train_size={args.train_size}", "data.val_size=16", f"data.batch_size={args.batch_size}",
+                 "data.loader=memory", *args.overrides]
         for linear in LINEARS
     }
-    for cfg in configs.values():
-        train.validate(cfg)
+    for linear_overrides in overrides.values():
+        train.check_command_line(linear_overrides)  # a bad override ends in one line, as with train.py
+    configs = {linear: train.load_config(linear_overrides) for linear, linear_overrides in overrides.items()}
     device = train.pick_device(configs["torch"].trainer.device)
     print(f"loading fake data: {args.train_size:,} x 1x28x28 ...", flush=True)
     dataset = data.load_data(**train.dataset_options(configs["torch"].data))
@@ -63,14 +74,14 @@ def main(argv=None):
             if epoch > 0:  # the first epoch warms up caches and allocators
                 epoch_times_s[linear].append(stats.epoch_s)
             print(f"epoch {epoch}{' (warm-up)' if epoch == 0 else ''} linear={linear}: "
-                  f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}, {faults_per_step:,.0f} page faults per step",
+                  f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}, page faults per step {faults_per_step:,.0f}",
                   flush=True)
 
     model_cfg = configs["torch"].model
     model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
     print(f"\nmodel={model_text}, {args.train_size:,} x 1x28x28, "
           f"batch {args.batch_size}, {device}, {args.threads} thread{'s' if args.threads != 1 else ''}, "
-          f"{args.epochs} timed epochs each; "
+          f"{args.epochs} timed epoch{'s' if args.epochs != 1 else ''} each; "
           f"malloc: {malloc}")
     means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}
     medians_s = {linear: statistics.median(times) for linear, times in epoch_times_s.items()}

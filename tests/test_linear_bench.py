@@ -1,6 +1,7 @@
 """bench/linear.py times ext.linear against F.linear and prints (and writes) its tables (no timing limits)."""
 import argparse
 import mmap
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,23 @@ def restore_threads_and_cpu_path():
 
 def test_parse_shapes():
     assert bench_linear.parse_shapes("128x256->10,1024x1024->1024") == [(128, 256, 10), (1024, 1024, 1024)]
-    with pytest.raises(argparse.ArgumentTypeError, match="bad shape '128x256'"):
-        bench_linear.parse_shapes("128x256")
+    for bad in ("128x256", "128x784->0", "-1x4->4"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"bad shape '{bad}'"):
+            bench_linear.parse_shapes(bad)
+
+
+def test_parse_threads():
+    assert bench_linear.parse_threads("all,1") == [os.cpu_count(), 1]
+    for bad in ("abc", "0", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad thread count"):
+            bench_linear.parse_threads(bad)
+
+
+def test_bad_command_line_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_linear.main(["--threads", "abc"])
+    assert exit_info.value.code == 2
+    assert "argument --threads: bad thread count 'abc'" in capsys.readouterr().err
 
 
 def test_bench_prints_every_pass_and_writes_markdown(tmp_path, capsys):

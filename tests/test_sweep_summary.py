@@ -96,7 +96,7 @@ def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)])
     make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)])
     sweep_summary.main([str(tmp_path)])
-    assert "| `` | 2.00x | 2.00x | +2.00 points |" in capsys.readouterr().out
+    assert "| (none) | 2.00x | 2.00x | +2.00 points |" in capsys.readouterr().out
     assert (tmp_path / "summary.csv").is_file() and (tmp_path / "summary.md").is_file()
     with pytest.raises(SystemExit):
         sweep_summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
@@ -121,7 +121,7 @@ def test_summaries_written_before_the_fastest_epoch_was_recorded_still_summarise
         del old["time/epoch_s_min"]
         sweep_summary.write_text_atomic(summary_path, sweep_summary.json.dumps(old))
     markdown = sweep_summary.summarize_sweep(tmp_path)
-    assert "| `` | 2.00x | - | +0.00 points |" in markdown
+    assert "| (none) | 2.00x | - | +0.00 points |" in markdown
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))
     assert rows[1]["speedup_vs_torch"] == "2.0000" and rows[1]["speedup_fastest_vs_torch"] == ""

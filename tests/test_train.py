@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 import allocator
+from conftest import num_threads
 import models
 import train
 
@@ -166,3 +167,12 @@ def test_run_names_stay_single_folders():
         "mlp-torch-fake_data.image_size=[1,28,28],x=-a-b"
     )
     assert re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}", train.run_time())
+
+
+def test_run_description_counts_in_words():
+    with num_threads(1):
+        one = train.describe(train.load_config(["trainer.epochs=1"]), torch.device("cpu"), 1234)
+    with num_threads(2):
+        two = train.describe(train.load_config(["trainer.epochs=2"]), torch.device("cpu"), 1234)
+    assert "x 1 epoch |" in one and "cpu, 1 thread |" in one and "1,234 parameters" in one
+    assert "x 2 epochs |" in two and "cpu, 2 threads |" in two
