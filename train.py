@@ -843,7 +843,11 @@ def resumed_run(cfg):
     overrides (checkpoint.RESUME_OVERRIDES), and the folder the checkpoint is in."""
     path = checkpoint.find(cfg.trainer.resume)
     overridden = [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
-    cfg = checkpoint.resumed_config(checkpoint.load(path)["config"], cfg, overridden)
+    saved = checkpoint.load(path)["config"]
+    try:
+        cfg = checkpoint.resumed_config(saved, cfg, overridden)
+    except CheckpointError as error:  # a setting the command line may not change: a bad setting, exit code 2
+        raise ConfigError(str(error)) from error
     validate(cfg)
     return cfg, path.parent
 

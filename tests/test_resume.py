@@ -269,6 +269,13 @@ def test_resume_refuses_settings_that_would_change_the_run(tmp_path, monkeypatch
         resume_in_process(tmp_path, ["optim.lr=0.1", "trainer.epochs=2"])
 
 
+def test_resume_that_would_change_a_setting_is_a_bad_setting_one_line_exit_2(tmp_path, reference):
+    refused = train_command([f"trainer.resume={reference}", "optim.lr=0.1"], tmp_path)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    (line,) = error_lines(refused)
+    assert line.startswith("error: optim.lr cannot change when resuming")
+
+
 def test_resume_with_the_runs_own_command_line_is_accepted():
     # `python train.py <the run's overrides> trainer.resume=<run>`: nothing changes, nothing is refused
     run = ["data=fake", "data.train_size=64", "model.hidden_sizes=[32]", "trainer.epochs=2", "sched=onecycle"]
