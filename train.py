@@ -17,6 +17,7 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -105,6 +106,9 @@ def load_config(overrides=()):
         return compose("train", overrides=list(overrides))
 
 
+SLURM_LAUNCHERS = ("slurm", "submitit_slurm")  # conf/hydra/launcher/slurm.yaml and the plugin's own
+
+
 def check_command_line(argv):
     """Compose and validate the config of every job the command line asks for, before Hydra starts.
 
@@ -128,6 +132,10 @@ def check_command_line(argv):
         fail(" ".join(str(error).split()))
     for override in overrides:
         key = override.get_key_element().lstrip("+~")
+        if key == "hydra/launcher" and str(override.value()) in SLURM_LAUNCHERS and not shutil.which("sbatch"):
+            # the submitit plugin would fail only once it submits, in a long traceback
+            fail(f"hydra/launcher={override.value()} submits to a SLURM cluster, and sbatch is not on this "
+                 "machine's PATH: run the sweep from a cluster's login node, or drop hydra/launcher to run it here")
         if override.is_add() and not key.startswith("hydra") and key not in known_settings():
             # +trainer.epoch=3 (Hydra's own advice for a misspelt key) adds a setting nothing reads
             fail(unknown_key_message(f"Could not override '{key}'"))

@@ -4,6 +4,7 @@ import csv
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,14 @@ def test_slurm_launcher_config_composes_with_its_cluster_settings():
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert launcher.partition == "gpu" and launcher.timeout_min == 240
     assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.nodes == 1
+
+
+def test_slurm_sweep_without_a_cluster_is_one_line_before_any_run_folder(tmp_path):
+    if shutil.which("sbatch"):
+        pytest.skip("this machine has SLURM's sbatch")
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "linear=torch"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "No CUDA runtime" not in line]
+    assert len(errors) == 1 and "sbatch is not on this machine's PATH" in errors[0]
+    assert not (tmp_path / "outputs").exists()
