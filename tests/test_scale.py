@@ -100,6 +100,7 @@ def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
     assert len(accuracies) == 3 and best.best_value == pytest.approx(max(accuracies))
     assert set(best.best_params) == {"optim.lr", "optim.weight_decay", "model.dropout", "model.hidden_sizes"}
     assert re.search(r"Best value: 0\.\d+", result.stdout + result.stderr)
+    assert "setup plugin alembic" not in result.stdout + result.stderr  # conf/hydra/default.yaml quiets it
 
 
 @pytest.fixture(scope="module")
