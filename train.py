@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -734,13 +734,15 @@ def fit(cfg, run_dir):
             f"{resume_path} already finished all {cfg.trainer.epochs} epochs; "
             "evaluate it with trainer.eval_only=true, or start a new run"
         )
-    # purge_step: TensorBoard drops what the interrupted run logged after its checkpoint
     with (
         logging_to(run_dir / "train.log") if is_main else nullcontext(),
-        SummaryWriter(run_dir, purge_step=first_epoch if resumed else None) if is_main else nullcontext() as writer,
         reporting_interrupts(run_dir),
+        ExitStack() as closing,
     ):
-        dataset = read_dataset(cfg.data)
+        dataset = read_dataset(cfg.data)  # before the events file: a missing dataset leaves no empty run behind
+        # purge_step: TensorBoard drops what the interrupted run logged after its checkpoint
+        writer = closing.enter_context(
+            SummaryWriter(run_dir, purge_step=first_epoch if resumed else None)) if is_main else None
         model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
         step_model = training_module(model, cfg, device)
         settings = step_settings(cfg, device)

@@ -158,6 +158,7 @@ def test_missing_or_corrupt_dataset_files(tmp_path, files, message):
     result = train_command(["data=cifar10", f"data.root={root}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert_one_line_error(result, message.format(root=root))
     assert "Traceback" in (tmp_path / "run" / "train.log").read_text()
+    assert not list((tmp_path / "run").glob("events.out.tfevents.*"))  # no empty run for TensorBoard to list
 
 
 def test_unwritable_data_root_is_named_before_any_download(tmp_path):
