@@ -85,7 +85,7 @@ def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_p
     assert markdown.strip() in result.stdout  # printed at the end of the sweep
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for job_dir in sweep_dir.glob("*_mlp-*"):
-        assert f"cpu, {threads} threads" in (job_dir / "train.log").read_text()
+        assert f"cpu, {train.counted(threads, 'thread')} |" in (job_dir / "train.log").read_text()
 
 
 def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
