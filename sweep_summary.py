@@ -1,12 +1,13 @@
 """Run summaries and the sweep summary.
 
 Every run writes `summary.json` into its folder when it ends: the final value of every per-epoch tag,
-the best val/acc, mean and fastest epoch time, throughput, and the parameter count. At the end of every multirun
-the Hydra callback `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs' summaries
-into `summary.csv` and `summary.md` in the sweep folder, one row per job, and compares every pair of jobs
-that differ only in `linear`: the speedup of custom over torch (by mean and by fastest epoch) and the
-difference in val/acc. It prints the markdown at the end of the sweep. A job that failed leaves `failed.txt` (its error) instead of
-`summary.json`; the other jobs still run, the summary lists it with its error, and the sweep exits with 1.
+the best val/acc, mean and fastest epoch time, throughput, and the parameter count. At the end of every
+multirun the Hydra callback `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs'
+summaries into `summary.csv` and `summary.md` in the sweep folder, one row per job, and compares every pair
+of jobs that differ only in `linear`: the speedup of custom over torch (by mean and by fastest epoch) and
+the difference in val/acc. It prints the markdown at the end of the sweep. A job that failed leaves
+`failed.txt` (its error) instead of `summary.json`; the other jobs still run, the summary lists it with its
+error, and the sweep exits with 1.
 
     python train.py -m linear=torch,custom model.hidden_sizes=[256],[1024]
     # -> outputs/multirun/<date>/<time>/summary.md

@@ -80,8 +80,8 @@ def main(argv=None):
     model_cfg = configs["torch"].model
     model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
     print(f"\nmodel={model_text}, {args.train_size:,} x 1x28x28, "
-          f"batch {args.batch_size}, {device}, {args.threads} thread{'s' if args.threads != 1 else ''}, "
-          f"{args.epochs} timed epoch{'s' if args.epochs != 1 else ''} each; "
+          f"batch {args.batch_size}, {device}, {train.counted(args.threads, 'thread')}, "
+          f"{train.counted(args.epochs, 'timed epoch')} each; "
           f"malloc: {malloc}")
     means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}
     medians_s = {linear: statistics.median(times) for linear, times in epoch_times_s.items()}
