@@ -43,8 +43,9 @@ _cpp_extension_log.setLevel(_level)
 
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import allocator  # noqa: E402
 import ext  # noqa: E402
+from bench.machine import describe_cpu  # noqa: E402
+from trainer import memory  # noqa: E402
 
 MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
 HEAD_SHAPES = [(128, 512, 10), (128, 2048, 1000)]
@@ -144,10 +145,10 @@ def time_interleaved(statements: dict, min_run_time_s: float,
         for name, fn in statements.items():
             # Timer runs on 1 thread unless told otherwise.
             timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-            faults_before = allocator.minor_page_faults()
+            faults_before = memory.minor_page_faults()
             measurement = timer.blocked_autorange(min_run_time=min_run_time_s)
             calls = measurement.number_per_run * len(measurement.raw_times)  # and a few to size the blocks
-            faults_per_call[name].append((allocator.minor_page_faults() - faults_before) / calls)
+            faults_per_call[name].append((memory.minor_page_faults() - faults_before) / calls)
             samples[name].append(measurement.times)
     return samples, {name: statistics.median(faults) for name, faults in faults_per_call.items()}
 
@@ -287,7 +288,7 @@ def main(argv=None) -> None:
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does: "
-                             "allocator.py)")
+                             "trainer/memory.py)")
     parser.add_argument("--cpu-path", choices=CPU_PATHS,
                         help="run ext's kernels on this path (default: the best this CPU has; the %% of peak stays "
                              "against the widest FMA the CPU has)")
@@ -297,13 +298,13 @@ def main(argv=None) -> None:
             torch.ops.ext.set_cpu_path(args.cpu_path)
         except RuntimeError as error:
             parser.error((str(error).splitlines() or [f"cannot run the {args.cpu_path} path"])[0])
-    malloc = allocator.set_up(keep=not args.malloc_defaults)
+    malloc = memory.set_up(keep=not args.malloc_defaults)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
 
     command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = (f"torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
+    header = (f"{describe_cpu()}; torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
               f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, "
               f"malloc: {malloc}")
     print(header)

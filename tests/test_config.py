@@ -10,7 +10,7 @@ from torch import nn
 
 import data
 import ext
-import train
+from trainer import build, config
 from test_data import write_tiny_cifar10, write_tiny_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,17 +32,17 @@ def test_groups_offer_the_documented_options():
     }
 
 
-def build(cfg):
+def build_run(cfg):
     """What fit() builds before its first epoch: data, model, optimizer, scheduler, loaders."""
-    dataset = data.load_data(**train.dataset_options(cfg.data))
-    return dataset, *train.build_training(cfg, dataset, torch.device("cpu"))
+    dataset = data.load_data(**build.dataset_options(cfg.data))
+    return dataset, *build.build_training(cfg, dataset, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("model", options("model"))
 def test_every_model_composes_builds_and_runs(model):
-    cfg = train.load_config([f"model={model}", *TINY_FAKE])
-    train.validate(cfg)
-    dataset, net, optimizer, scheduler, train_loader, val_loader = build(cfg)
+    cfg = config.load_config([f"model={model}", *TINY_FAKE])
+    config.validate(cfg)
+    dataset, net, optimizer, scheduler, train_loader, val_loader = build_run(cfg)
     images, labels = next(iter(train_loader))
     assert net(images[:2]).shape == (2, dataset.num_classes)
 
@@ -55,9 +55,9 @@ def test_every_dataset_composes_and_builds(name, tmp_path):
     overrides = [f"data={name}", f"data.root={tmp_path}"]
     if name == "fake":
         overrides += ["data.train_size=8", "data.val_size=4"]
-    cfg = train.load_config(overrides)
-    train.validate(cfg)
-    dataset, net, *_, train_loader, val_loader = build(cfg)
+    cfg = config.load_config(overrides)
+    config.validate(cfg)
+    dataset, net, *_, train_loader, val_loader = build_run(cfg)
     assert len(dataset.train_labels) > 0 and len(dataset.val_labels) > 0
     images, labels = next(iter(train_loader))
     assert images.shape[1:] == dataset.image_shape and net(images).shape == (len(labels), dataset.num_classes)
@@ -66,8 +66,8 @@ def test_every_dataset_composes_and_builds(name, tmp_path):
 def test_linear_custom_swaps_every_linear_and_keeps_the_initial_weights():
     nets = {}
     for linear in options("linear"):
-        cfg = train.load_config([f"linear={linear}", "model.hidden_sizes=[32,16]"])
-        _, nets[linear], *_ = build(cfg)
+        cfg = config.load_config([f"linear={linear}", "model.hidden_sizes=[32,16]"])
+        _, nets[linear], *_ = build_run(cfg)
     types = {linear: [type(m) for m in net.modules() if isinstance(m, nn.Linear)] for linear, net in nets.items()}
     assert types["torch"] == [nn.Linear] * 3 and types["custom"] == [ext.Linear] * 3
     torch_state, custom_state = nets["torch"].state_dict(), nets["custom"].state_dict()
@@ -79,7 +79,7 @@ def test_linear_custom_swaps_every_linear_and_keeps_the_initial_weights():
 @pytest.mark.parametrize("sched", options("sched"))
 def test_every_optimizer_and_schedule_builds_and_steps(optim, sched):
     epochs = 10
-    cfg = train.load_config([f"optim={optim}", f"sched={sched}", f"trainer.epochs={epochs}"])
+    cfg = config.load_config([f"optim={optim}", f"sched={sched}", f"trainer.epochs={epochs}"])
     params = [nn.Parameter(torch.zeros(3))]
     optimizer = instantiate(cfg.optim, params=params)
     scheduler = instantiate(cfg.sched, optimizer=optimizer)
@@ -102,7 +102,7 @@ def test_every_optimizer_and_schedule_builds_and_steps(optim, sched):
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     # the last epoch used to train at the cycle's end: optim.lr / 1e5, i.e. not at all in a 1-epoch run
-    cfg = train.load_config(["sched=onecycle", f"trainer.epochs={epochs}"])
+    cfg = config.load_config(["sched=onecycle", f"trainer.epochs={epochs}"])
     optimizer = instantiate(cfg.optim, params=[nn.Parameter(torch.zeros(3))])
     scheduler = instantiate(cfg.sched, optimizer=optimizer)
     for _ in range(epochs):
@@ -133,26 +133,26 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("sched=onecycle +sched.eta_min=0", "sched.eta_min is not a setting of torch.optim.lr_scheduler.OneCycleLR"),
 ])
 def test_validate_names_the_bad_setting(override, message):
-    with pytest.raises(train.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        train.validate(train.load_config(override.split()))
+    with pytest.raises(config.ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        config.validate(config.load_config(override.split()))
 
 
 @pytest.mark.parametrize("fraction", [0.0001, 0.99999])
 def test_a_digits_split_with_an_empty_side_is_refused(fraction):
-    cfg = train.load_config([f"data.val_fraction={fraction}"])
+    cfg = config.load_config([f"data.val_fraction={fraction}"])
     with pytest.raises(data.DataError, match=f"data.val_fraction={fraction} leaves"):
-        train.read_dataset(cfg.data)
+        build.read_dataset(cfg.data)
 
 
 def test_cuda_device_is_rejected_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(train.ConfigError, match="trainer.device=cuda is invalid"):
-        train.validate(train.load_config(["trainer.device=cuda"]))
+    with pytest.raises(config.ConfigError, match="trainer.device=cuda is invalid"):
+        config.validate(config.load_config(["trainer.device=cuda"]))
 
 
 @pytest.mark.parametrize("args, names", [
-    (["model=resnet19"], ["model=resnet19", "resnet18"]),
+    (["model=resnet19"], ["model=resnet19", "mlp, resnet18, resnet34, resnet50, resnet101, resnet152"]),
     (["trainer.epochs=-1"], ["trainer.epochs=-1"]),
     (["data.batch_size=0"], ["data.batch_size=0"]),
     (["-m", "linear=torch,cuda"], ["linear=cuda", "custom, torch"]),
@@ -177,11 +177,16 @@ def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, 
     assert not (tmp_path / "outputs").exists()
 
 
+def test_choices_are_named_in_their_natural_order():
+    assert config.natural_order(["resnet152", "resnet18", "mlp", "resnet101", "resnet50", "resnet34"]) == [
+        "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+
+
 def test_one_sweep_can_compare_torch_with_the_unfused_operator():
     # -m linear=torch,custom linear.fuse_relu=false: the setting must exist for both linears
     for linear in ("torch", "custom"):
-        cfg = train.load_config([f"linear={linear}", "linear.fuse_relu=false"])
-        train.validate(cfg)
+        cfg = config.load_config([f"linear={linear}", "linear.fuse_relu=false"])
+        config.validate(cfg)
         assert cfg.linear.fuse_relu is False
-    model = train.make_model(cfg, train.read_dataset(cfg.data), torch.device("cpu"))
+    model = build.make_model(cfg, build.read_dataset(cfg.data), torch.device("cpu"))
     assert not any(getattr(module, "activation", None) for module in model.modules())  # no fused layer

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
 import train
+from trainer import checkpoint, config
 from test_resume import STEPS_PER_EPOCH, error_lines, scalars, train_command
 
 
@@ -16,7 +16,7 @@ from test_resume import STEPS_PER_EPOCH, error_lines, scalars, train_command
 def good_run(tmp_path_factory):
     """A finished two-epoch run: the checkpoint every test below must leave usable."""
     run_dir = tmp_path_factory.mktemp("good")
-    train.fit(train.load_config(["trainer.epochs=2"]), run_dir)
+    train.fit(config.load_config(["trainer.epochs=2"]), run_dir)
     return run_dir
 
 
@@ -140,8 +140,8 @@ def test_missing_checkpoint_path_fails_before_any_folder_exists(tmp_path):
 
 
 def test_eval_only_needs_a_checkpoint():
-    with pytest.raises(train.ConfigError, match=r"trainer.eval_only=true needs trainer.resume="):
-        train.validate(train.load_config(["trainer.eval_only=true"]))
+    with pytest.raises(config.ConfigError, match=r"trainer.eval_only=true needs trainer.resume="):
+        config.validate(config.load_config(["trainer.eval_only=true"]))
 
 
 @pytest.mark.parametrize("files, message", [

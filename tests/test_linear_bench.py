@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import allocator
+from trainer import memory
 from bench import linear as bench_linear
+from bench.machine import describe_cpu
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +56,7 @@ def test_bench_prints_every_pass_and_writes_markdown(tmp_path, capsys):
     assert "geomean torch/ext, fwd+bwd" in shown
     written = markdown.read_text()
     assert "| 8x12->5 |" in written and "### CPU, 1 thread" in written
+    assert describe_cpu() in written  # a figure names the CPU it was measured on
 
 
 def test_products_mode_times_each_product_alone(capsys):
@@ -91,7 +93,7 @@ def test_geomeans_come_with_their_range_over_rounds():
         "geomean torch/ext, fwd+bwd: all shapes 2.00 (by round 1.41-2.00), MLP shapes 2.00 (by round 1.00-2.00)"]
 
 
-@pytest.mark.skipif(allocator.resource is None, reason="page faults are counted through the resource module (Unix)")
+@pytest.mark.skipif(memory.resource is None, reason="page faults are counted through the resource module (Unix)")
 def test_page_faults_per_call_are_counted_for_each_side():
     # Each call maps 1,024 fresh pages and touches every one (not through malloc, which may have memory at hand).
     def fresh_pages():

@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import checkpoint
 import data
 import train
+from trainer import build, checkpoint, config
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -229,16 +229,16 @@ def interrupted_run(run_dir, overrides, at_epoch, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(train, "train_one_epoch", interrupt_at_epoch)
         with pytest.raises(KeyboardInterrupt):
-            train.fit(train.load_config(overrides), run_dir)
+            train.fit(config.load_config(overrides), run_dir)
 
 
 def resume_in_process(run_dir, overrides):
     """What `python train.py trainer.resume=<run_dir> <overrides>` runs."""
     overrides = [f"trainer.resume={run_dir}", *overrides]
-    cfg = train.load_config(overrides)
+    cfg = config.load_config(overrides)
     state = checkpoint.load(run_dir)
     cfg = checkpoint.resumed_config(state["config"], cfg, [override.split("=")[0] for override in overrides])
-    train.validate(cfg)
+    config.validate(cfg)
     return train.fit(cfg, run_dir)
 
 
@@ -248,11 +248,11 @@ def test_checkpoint_moves_between_linear_implementations(tmp_path, monkeypatch, 
     state = checkpoint.load(tmp_path)
     assert state["epoch"] == 1 and state["config"]["linear"]["name"] == saved
 
-    cfg = train.load_config([f"linear={resumed}"])
-    dataset = train.read_dataset(cfg.data)
-    model = train.make_model(cfg, dataset, torch.device("cpu"))
+    cfg = config.load_config([f"linear={resumed}"])
+    dataset = build.read_dataset(cfg.data)
+    model = build.make_model(cfg, dataset, torch.device("cpu"))
     checkpoint.load_model_state(model, state["model"], tmp_path / "last.pt")
-    saved_model = train.make_model(train.load_config([f"linear={saved}"]), dataset, torch.device("cpu"))
+    saved_model = build.make_model(config.load_config([f"linear={saved}"]), dataset, torch.device("cpu"))
     saved_model.load_state_dict(state["model"])
     model.eval(), saved_model.eval()
     with torch.no_grad():
@@ -279,38 +279,38 @@ def test_resume_that_would_change_a_setting_is_a_bad_setting_one_line_exit_2(tmp
 def test_resume_with_the_runs_own_command_line_is_accepted():
     # `python train.py <the run's overrides> trainer.resume=<run>`: nothing changes, nothing is refused
     run = ["data=fake", "data.train_size=64", "model.hidden_sizes=[32]", "trainer.epochs=2", "sched=onecycle"]
-    saved = OmegaConf.to_container(train.load_config(run), resolve=True)
+    saved = OmegaConf.to_container(config.load_config(run), resolve=True)
     again = [*run, "trainer.resume=somewhere"]
-    cfg = checkpoint.resumed_config(saved, train.load_config(again), [o.split("=")[0] for o in again])
+    cfg = checkpoint.resumed_config(saved, config.load_config(again), [o.split("=")[0] for o in again])
     assert OmegaConf.to_container(cfg, resolve=True)["data"] == saved["data"]
     changed = [*again[:1], "data.train_size=128", *again[2:]]
     with pytest.raises(checkpoint.CheckpointError, match=r"^data.train_size cannot change"):
-        checkpoint.resumed_config(saved, train.load_config(changed), [o.split("=")[0] for o in changed])
+        checkpoint.resumed_config(saved, config.load_config(changed), [o.split("=")[0] for o in changed])
 
 
 @pytest.mark.parametrize("loader", ["memory", "dataloader", "dataloader with 2 workers"])
 def test_rng_state_restores_the_data_order_of_either_loader(loader):
     kind, *workers = loader.split(" with ")
-    cfg = train.load_config([f"data.loader={kind}", f"data.num_workers={2 if workers else 0}"])
-    dataset = train.read_dataset(cfg.data)
+    cfg = config.load_config([f"data.loader={kind}", f"data.num_workers={2 if workers else 0}"])
+    dataset = build.read_dataset(cfg.data)
     orders = []
     for restore in (False, True):
-        train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
+        train_loader, _ = build.make_loaders(cfg, dataset, torch.device("cpu"))
         list(train_loader)  # epoch 1
         state = checkpoint.rng_state(data.order_generator(train_loader))
         if restore:  # a fresh loader, as a resumed run builds it
-            train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
+            train_loader, _ = build.make_loaders(cfg, dataset, torch.device("cpu"))
             checkpoint.restore_rng(state, data.order_generator(train_loader))
         orders.append([labels for _, labels in train_loader])  # epoch 2
     assert all(torch.equal(a, b) for a, b in zip(*orders))
 
 
 def test_the_data_order_is_the_same_with_or_without_loader_workers():
-    dataset = train.read_dataset(train.load_config([]).data)
+    dataset = build.read_dataset(config.load_config([]).data)
     orders = []
     for kind, workers in (("memory", 0), ("dataloader", 0), ("dataloader", 2)):
-        cfg = train.load_config([f"data.loader={kind}", f"data.num_workers={workers}"])
-        train_loader, _ = train.make_loaders(cfg, dataset, torch.device("cpu"))
+        cfg = config.load_config([f"data.loader={kind}", f"data.num_workers={workers}"])
+        train_loader, _ = build.make_loaders(cfg, dataset, torch.device("cpu"))
         orders.append([labels for _ in range(2) for _, labels in train_loader])  # two epochs
     assert all(torch.equal(a, b) for a, b in zip(orders[0], orders[1]))
     assert all(torch.equal(a, b) for a, b in zip(orders[1], orders[2]))
@@ -324,10 +324,10 @@ def test_amp_loss_scale_survives_a_checkpoint():
     scaler.scale(torch.ones(()))  # the scale starts at the first step
     scaler.update(new_scale=256.0)  # what a few overflowing float16 steps leave behind
     loader_generator = torch.Generator().manual_seed(0)
-    state = checkpoint.training_state(1, 10, model, optimizer, scheduler, scaler, loader_generator, train.load_config())
+    state = checkpoint.training_state(1, 10, model, optimizer, scheduler, scaler, loader_generator, config.load_config())
     fresh = torch.amp.GradScaler("cpu", init_scale=1024.0)
     checkpoint.restore(state, "last.pt", model, optimizer, scheduler, fresh, loader_generator)
     assert fresh.get_scale() == 256.0
     disabled = torch.amp.GradScaler("cpu", enabled=False)
     assert checkpoint.training_state(1, 10, model, optimizer, scheduler, disabled, loader_generator,
-                                     train.load_config())["scaler"] is None
+                                     config.load_config())["scaler"] is None

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 import ext
 import models
-import sweep_summary
 import train
+from trainer import config, logs, summary
 
 REPO = Path(__file__).resolve().parents[1]
 # SGD with momentum, no dropout (the default MLP): a run whose weights two processes must reproduce exactly
@@ -54,13 +54,13 @@ def test_torchrun_two_processes_reach_the_single_process_weights_and_write_one_r
     assert "cpu, 1 thread each, 2 processes (gloo)" in log or os.cpu_count() > 3  # the two ranks share the cores
 
     single_dir = tmp_path / "single"
-    train.fit(train.load_config(DDP_OVERRIDES), single_dir)
+    train.fit(config.load_config(DDP_OVERRIDES), single_dir)
     distributed, single = final_weights(run_dir), final_weights(single_dir)
     assert distributed.keys() == single.keys()
     for key in single:
         torch.testing.assert_close(distributed[key], single[key], rtol=1e-5, atol=1e-6, msg=key)
     # the logged metrics are of the whole dataset, not of one rank's half
-    ddp_summary, single_summary = sweep_summary.read_run_summary(run_dir), sweep_summary.read_run_summary(single_dir)
+    ddp_summary, single_summary = summary.read_run_summary(run_dir), summary.read_run_summary(single_dir)
     for tag in ("train/loss", "train/acc", "val/loss", "val/acc"):
         assert ddp_summary[tag] == pytest.approx(single_summary[tag], abs=1e-5), tag
 
@@ -85,7 +85,7 @@ def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_p
     assert markdown.strip() in result.stdout  # printed at the end of the sweep
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for job_dir in sweep_dir.glob("*_mlp-*"):
-        assert f"cpu, {train.counted(threads, 'thread')} |" in (job_dir / "train.log").read_text()
+        assert f"cpu, {logs.counted(threads, 'thread')} |" in (job_dir / "train.log").read_text()
 
 
 def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
@@ -105,12 +105,12 @@ def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
 
 @pytest.fixture(scope="module")
 def plain_val_acc(tmp_path_factory):
-    return train.fit(train.load_config(["model=mlp", "linear=custom", "trainer.epochs=1"]), tmp_path_factory.mktemp("plain"))
+    return train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1"]), tmp_path_factory.mktemp("plain"))
 
 
 @pytest.mark.parametrize("switch", ["trainer.amp=true", "trainer.compile=true"])
 def test_amp_and_compile_train_the_custom_mlp_as_well_as_the_plain_run(tmp_path, plain_val_acc, switch):
-    val_acc = train.fit(train.load_config(["model=mlp", "linear=custom", "trainer.epochs=1", switch]), tmp_path)
+    val_acc = train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1", switch]), tmp_path)
     assert abs(val_acc - plain_val_acc) <= 0.02
 
 
@@ -135,7 +135,7 @@ def test_cpu_autocast_runs_our_op_in_float32_after_bfloat16_convolutions():
 def test_resnet_trains_with_channels_last_and_amp(tmp_path):
     overrides = ["model=resnet18", "data=fake", "data.train_size=32", "data.val_size=16", "data.image_size=[3,8,8]",
                  "data.batch_size=16", "trainer.epochs=1", "trainer.channels_last=true", "trainer.amp=true"]
-    val_acc = train.fit(train.load_config(overrides), tmp_path)
+    val_acc = train.fit(config.load_config(overrides), tmp_path)
     assert 0 <= val_acc <= 1 and (tmp_path / "last.pt").is_file()
 
 
@@ -150,7 +150,7 @@ def test_deterministic_runs_seed_every_generator_and_give_identical_weights(tmp_
     try:
         for name in ("first", "second"):
             seeded_draws(99)  # whatever state the generators were left in
-            train.fit(train.load_config(overrides), tmp_path / name)
+            train.fit(config.load_config(overrides), tmp_path / name)
             assert (random.random(), np.random.random()) == seeded_draws(3)  # training draws from neither
         assert torch.are_deterministic_algorithms_enabled()
     finally:
@@ -160,7 +160,7 @@ def test_deterministic_runs_seed_every_generator_and_give_identical_weights(tmp_
 
 
 def test_slurm_launcher_config_composes_with_its_cluster_settings():
-    with initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(str(config.CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
                       return_hydra_config=True)
     launcher = cfg.hydra.launcher

@@ -1,12 +1,11 @@
-"""sweep_summary: run summaries, and the sweep summary built from a sweep folder's jobs."""
+"""trainer.summary: run summaries, and the sweep summary built from a sweep folder's jobs."""
 import csv
 import os
 
 import pytest
 from omegaconf import OmegaConf
 
-import sweep_summary
-import train
+from trainer import config, summary
 
 
 def epoch(val_acc, epoch_s, samples_per_s):
@@ -23,19 +22,19 @@ def make_job(sweep_dir, num, overrides, linear, history, finished=True, error=No
     OmegaConf.save(OmegaConf.create({"linear": {"name": linear}}), job_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": num}}}), job_dir / ".hydra" / "hydra.yaml")
     if finished:
-        sweep_summary.write_run_summary(job_dir, history, num_params=1000 + num)
+        summary.write_run_summary(job_dir, history, num_params=1000 + num)
     elif error:
-        sweep_summary.write_job_failure(job_dir, error)
+        summary.write_job_failure(job_dir, error)
 
 
 def test_run_summary_holds_final_best_and_means(tmp_path):
-    summary = sweep_summary.write_run_summary(tmp_path, [epoch(0.9, 2.0, 100.0), epoch(0.8, 4.0, 50.0)], 1234)
-    assert sweep_summary.read_run_summary(tmp_path) == summary
-    assert summary["val/acc"] == 0.8 and summary["val/acc_best"] == 0.9 and summary["epochs"] == 2
-    assert summary["time/epoch_s_mean"] == 3.0 and summary["throughput/train_samples_per_s_mean"] == 75.0
-    assert summary["time/epoch_s_min"] == 2.0
-    assert summary["num_params"] == 1234 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
-    assert set(sweep_summary.OBJECTIVES) <= set(summary)
+    run_summary = summary.write_run_summary(tmp_path, [epoch(0.9, 2.0, 100.0), epoch(0.8, 4.0, 50.0)], 1234)
+    assert summary.read_run_summary(tmp_path) == run_summary
+    assert run_summary["val/acc"] == 0.8 and run_summary["val/acc_best"] == 0.9 and run_summary["epochs"] == 2
+    assert run_summary["time/epoch_s_mean"] == 3.0 and run_summary["throughput/train_samples_per_s_mean"] == 75.0
+    assert run_summary["time/epoch_s_min"] == 2.0
+    assert run_summary["num_params"] == 1234 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    assert set(summary.OBJECTIVES) <= set(run_summary)
 
 
 def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
@@ -51,7 +50,7 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     make_job(tmp_path, 5, ["optim.lr=9"], "custom", [], finished=False, error="loss became nan in epoch 1")
     make_job(tmp_path, 6, ["optim.lr=8"], "torch", [], finished=False)
 
-    markdown = sweep_summary.summarize_sweep(tmp_path)
+    markdown = summary.summarize_sweep(tmp_path)
 
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))
@@ -78,28 +77,28 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
 def test_sweep_without_linear_pairs_has_no_comparison(tmp_path):
     make_job(tmp_path, 0, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
     make_job(tmp_path, 1, ["optim.lr=0.2"], "custom", [epoch(0.6, 1.0, 20.0)])
-    assert "speedup" not in sweep_summary.summarize_sweep(tmp_path)
+    assert "speedup" not in summary.summarize_sweep(tmp_path)
 
 
 def test_callback_is_registered_for_every_multirun():
-    with train.initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
-        cfg = train.compose("train", return_hydra_config=True)
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "sweep_summary.SweepSummary"
+    with config.initialize_config_dir(str(config.CONF_DIR), version_base="1.3"):
+        cfg = config.compose("train", return_hydra_config=True)
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "trainer.summary.SweepSummary"
 
 
 def test_objective_must_be_a_summary_value():
-    with pytest.raises(train.ConfigError, match="trainer.objective=val/accuracy is invalid"):
-        train.validate(train.load_config(["trainer.objective=val/accuracy"]))
+    with pytest.raises(config.ConfigError, match="trainer.objective=val/accuracy is invalid"):
+        config.validate(config.load_config(["trainer.objective=val/accuracy"]))
 
 
 def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)])
     make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)])
-    sweep_summary.main([str(tmp_path)])
+    summary.main([str(tmp_path)])
     assert "| (none) | 2.00x | 2.00x | +2.00 points |" in capsys.readouterr().out
     assert (tmp_path / "summary.csv").is_file() and (tmp_path / "summary.md").is_file()
     with pytest.raises(SystemExit):
-        sweep_summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
+        summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
     assert "holds no job folders" in capsys.readouterr().err
 
 
@@ -110,17 +109,17 @@ def test_jobs_of_an_earlier_sweep_in_the_same_folder_are_left_out(tmp_path):
     os.utime(old, ns=(old.stat().st_atime_ns, old.stat().st_mtime_ns - 10**9))  # a second before this sweep
     (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
     os.utime(tmp_path / "multirun.yaml", ns=(0, old.stat().st_mtime_ns + 10**8))
-    assert [row["job"] for row in sweep_summary.job_rows(tmp_path)] == ["1_job"]
+    assert [row["job"] for row in summary.job_rows(tmp_path)] == ["1_job"]
 
 
 def test_summaries_written_before_the_fastest_epoch_was_recorded_still_summarise(tmp_path):
     for num, linear, epoch_s in ((0, "torch", 2.0), (1, "custom", 1.0)):
         make_job(tmp_path, num, [f"linear={linear}"], linear, [epoch(0.9, epoch_s, 10.0)])
         summary_path = tmp_path / f"{num}_job" / "summary.json"
-        old = sweep_summary.read_run_summary(summary_path.parent)
+        old = summary.read_run_summary(summary_path.parent)
         del old["time/epoch_s_min"]
-        sweep_summary.write_text_atomic(summary_path, sweep_summary.json.dumps(old))
-    markdown = sweep_summary.summarize_sweep(tmp_path)
+        summary.write_text_atomic(summary_path, summary.json.dumps(old))
+    markdown = summary.summarize_sweep(tmp_path)
     assert "| (none) | 2.00x | - | +0.00 points |" in markdown
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))

@@ -1,14 +1,31 @@
 """bench/train.py runs the trainer's own epoch for both linears and reports their times (no timing limits)."""
 import pytest
 
-from bench import train as bench_train
+from bench import machine, train as bench_train
+from bench.machine import describe_cpu
 
 
-def test_bench_reports_both_linears_and_their_ratio(capsys):
-    means_s = bench_train.main(["--epochs", "1", "--train-size", "256", "--batch-size", "64"])
+def test_bench_reports_both_linears_and_their_ratio(capsys, tmp_path):
+    table = tmp_path / "bench_train.md"
+    means_s = bench_train.main(["--epochs", "2", "--train-size", "256", "--batch-size", "64", "--markdown", str(table)])
     assert set(means_s) == {"torch", "custom"} and all(value > 0 for value in means_s.values())
     shown = capsys.readouterr().out
     assert "linear=torch " in shown and "linear=custom" in shown and "ratio torch/custom" in shown
+    assert "epoch by epoch" in shown  # the ratio comes with its spread
+    markdown = table.read_text()
+    assert markdown.startswith("`python -m bench.train --epochs 2") and "| torch | " in markdown
+    assert describe_cpu() in markdown  # a figure names the CPU it was measured on
+
+
+def test_the_cpu_is_named_with_its_core(monkeypatch):
+    zen3 = {"vendor_id": "AuthenticAMD", "model name": "AMD EPYC", "cpu family": "25", "model": "1",
+            "flags": "fpu avx2 fma"}
+    monkeypatch.setattr(machine, "cpuinfo", lambda: zen3)
+    assert machine.describe_cpu().startswith("AMD EPYC (family 25, model 1: Zen 3; avx2, fma), ")
+    monkeypatch.setattr(machine, "cpuinfo", lambda: {**zen3, "cpu family": "26", "model": "2",
+                                                    "flags": "avx512f avx2 fma"})
+    assert machine.describe_cpu().startswith("AMD EPYC (family 26, model 2: Zen 5; avx512f, avx2, fma), ")
+    assert machine.amd_core(25, 0x11) == "Zen 4"
 
 
 @pytest.mark.parametrize("argv, message", [

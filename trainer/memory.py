@@ -71,8 +71,8 @@ def set_up(keep: bool = True) -> str:
     if not keep:
         return "the C library's defaults (--malloc-defaults)"
     if keep_freed_memory():
-        return "freed memory kept for reuse (allocator.py)"
-    return "the C library's own (not glibc, or the environment chose: allocator.user_chose_malloc)"
+        return "freed memory kept for reuse (trainer/memory.py)"
+    return "the C library's own (not glibc, or the environment chose: trainer.memory.user_chose_malloc)"
 
 
 def minor_page_faults() -> int:

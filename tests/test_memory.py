@@ -1,4 +1,4 @@
-"""allocator.keep_freed_memory: glibc keeps freed memory for reuse, so a repeated step stops faulting pages in."""
+"""memory.keep_freed_memory: glibc keeps freed memory for reuse, so a repeated step stops faulting pages in."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import allocator
+from trainer import memory
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,25 +17,25 @@ REPO = Path(__file__).resolve().parents[1]
 # it always does unless keep_freed_memory takes effect.
 STEPS = textwrap.dedent("""
     import ctypes, os, sys, torch
-    import allocator
+    from trainer import memory
     ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE: 4 KiB pages, whatever the host's huge-page setting
     kept = None
     if sys.argv[1] == "keep":
-        for name in allocator.GLIBC_ENV_SETTINGS:  # glibc has read them at start; now they are the defaults
+        for name in memory.GLIBC_ENV_SETTINGS:  # glibc has read them at start; now they are the defaults
             os.environ.pop(name, None)
-        kept = allocator.keep_freed_memory()
+        kept = memory.keep_freed_memory()
     for step in range(60):
         if step == 20:
-            before = allocator.minor_page_faults()
+            before = memory.minor_page_faults()
         tensors = [torch.ones(1 << 20) for _ in range(3)]
         del tensors
-    print(kept, (allocator.minor_page_faults() - before) / 40)
+    print(kept, (memory.minor_page_faults() - before) / 40)
 """)
 GIVE_EVERYTHING_BACK = {"MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def faults_per_step(mode, **glibc_env):
-    env = {name: value for name, value in os.environ.items() if name not in allocator.CHOICE_ENV}
+    env = {name: value for name, value in os.environ.items() if name not in memory.CHOICE_ENV}
     result = subprocess.run([sys.executable, "-c", STEPS, mode], cwd=REPO, capture_output=True, text=True,
                             timeout=120, env={**env, "PYTHONPATH": str(REPO), **glibc_env})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -43,7 +43,7 @@ def faults_per_step(mode, **glibc_env):
     return kept, float(faults)
 
 
-glibc_only = pytest.mark.skipif(allocator.glibc() is None, reason="glibc's malloc only")
+glibc_only = pytest.mark.skipif(memory.glibc() is None, reason="glibc's malloc only")
 
 
 @glibc_only
@@ -66,8 +66,8 @@ class NoMallopt:
                                          ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072"),
                                          ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")])
 def test_the_environments_choice_of_allocator_rules(monkeypatch, name, value):
-    for other in allocator.CHOICE_ENV:
+    for other in memory.CHOICE_ENV:
         monkeypatch.delenv(other, raising=False)
-    monkeypatch.setattr(allocator, "glibc", NoMallopt)
+    monkeypatch.setattr(memory, "glibc", NoMallopt)
     monkeypatch.setenv(name, value)
-    assert allocator.keep_freed_memory() is False
+    assert memory.keep_freed_memory() is False

@@ -238,8 +238,8 @@ def summarize_sweep(sweep_dir, rows=None):
 
 
 def main(argv=None):
-    """`python sweep_summary.py <sweep folder>`: (re)write its summary.csv and summary.md, and print the markdown."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    """`python -m trainer.summary <sweep folder>`: (re)write its summary.csv and summary.md, and print the markdown."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.summary", description=main.__doc__)
     parser.add_argument("sweep_dir", type=Path, help="a multirun folder, e.g. outputs/multirun/<date>/<time>")
     sweep_dir = parser.parse_args(argv).sweep_dir
     if not any(sweep_dir.glob("*/.hydra")):

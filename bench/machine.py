@@ -1,0 +1,60 @@
+"""The machine a figure was measured on, in one line, for every benchmark's header: a figure that does not
+name its CPU cannot be compared with another (this project's CPU has changed under it several times)."""
+import os
+import platform
+from pathlib import Path
+
+ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))  # family 25's other models are Zen 3
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def caches() -> str:
+    """'L1d 32K, L2 512K, L3 32768K' for the first core, or '' where the kernel does not say."""
+    sizes = []
+    for index in sorted(CACHE_DIR.glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind != "Instruction":
+            sizes.append(f"L{level}{'d' if kind == 'Data' else ''} {size}")
+    return ", ".join(sizes)
+
+
+def amd_core(family: int, model: int) -> str | None:
+    """The core design behind AMD's cpuid family and model: a cloud instance often says only "AMD EPYC"."""
+    if family == 23:
+        return "Zen/Zen 2"
+    if family == 25:
+        return "Zen 4" if any(model in models for models in ZEN4_MODELS) else "Zen 3"
+    return "Zen 5" if family == 26 else None
+
+
+def describe_cpu() -> str:
+    """'AMD EPYC (family 25, model 1: Zen 3; avx2, fma), 2 CPUs, L1d 32K, L2 512K, L3 32768K'."""
+    info = cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    details = []
+    if "cpu family" in info:
+        family, model = int(info["cpu family"]), int(info.get("model", "0"))
+        core = amd_core(family, model) if info.get("vendor_id") == "AuthenticAMD" else None
+        details.append(f"family {family}, model {model}" + (f": {core}" if core else ""))
+    flags = set(info.get("flags", "").split())
+    vectors = [flag for flag in ("avx512f", "avx2", "fma") if flag in flags]
+    if vectors:
+        details.append(", ".join(vectors))
+    text = f"{name} ({'; '.join(details)})" if details else name
+    return ", ".join(filter(None, [text, f"{os.cpu_count()} CPUs", caches()]))

@@ -1,0 +1,165 @@
+"""A run's parts, built from its config: device and threads, data, model, optimizer and scheduler, and the
+switches that change how steps run (AMP, channels_last, torch.compile, determinism)."""
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+import data
+import ext  # builds (or loads the cached) operator now, once, before Hydra launches any job
+from trainer.distributed import world
+
+SMALL_INPUT_MAX_PX = 64  # ResNets keep full resolution (3x3 stride-1 stem, no max-pool) up to this size
+
+
+def pick_device(name):
+    """torch.device for trainer.device: "auto" is the GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def threads_per_process(setting):
+    """torch's thread count for trainer.threads: "auto" shares the cores among the processes that run at
+    once on this machine (a parallel launcher's jobs, torchrun's ranks), so they do not oversubscribe."""
+    if setting != "auto":
+        return setting
+    cores = len(os.sched_getaffinity(0))
+    n_jobs = OmegaConf.select(HydraConfig.get(), "launcher.n_jobs") if HydraConfig.initialized() else None
+    if n_jobs is not None and n_jobs < 0:  # joblib's convention: -1 is all cores, -2 all but one, ...
+        n_jobs = max(1, os.cpu_count() + 1 + n_jobs)
+    processes = (n_jobs or 1) * int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, cores // processes)
+
+
+
+def training_module(model, cfg, device):
+    """What the training steps call: `model` (in channels_last memory for trainer.channels_last), in
+    DistributedDataParallel under torchrun (which averages the processes' gradients), compiled for
+    trainer.compile. Checkpoints keep saving `model` itself, so their keys do not change."""
+    if cfg.trainer.channels_last:
+        model.to(memory_format=torch.channels_last)  # in place
+    if world()[1] > 1:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.trainer.compile:
+        model = torch.compile(model)
+    return model
+
+
+
+@dataclass
+class StepSettings:
+    """How training and evaluation steps run: under autocast to `autocast_dtype` (None: no autocast), with
+    `scaler` (a GradScaler; it scales only for float16) and images in `memory_format`."""
+
+    autocast_dtype: torch.dtype | None = None
+    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    memory_format: torch.memory_format = torch.preserve_format
+
+
+def step_settings(cfg, device):
+    """StepSettings for trainer.amp and trainer.channels_last on `device`.
+
+    AMP is bfloat16 on the CPU and on GPUs that have it; older GPUs get float16, whose small range needs
+    the loss scaled (GradScaler). Our op runs in float32 under CPU autocast and in the autocast dtype on GPUs.
+    """
+    dtype = None
+    if cfg.trainer.amp:
+        dtype = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+    return StepSettings(
+        autocast_dtype=dtype,
+        scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+        memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format,
+    )
+
+
+def make_deterministic(seed):
+    """trainer.deterministic: the same run gives the same bits. Deterministic kernels only (an op without
+    one raises), and every generator seeded: Python's, NumPy's and torch's (CPU and CUDA)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with it
+    torch.use_deterministic_algorithms(True)  # cuDNN included (torch.backends.cudnn.benchmark stays off)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def dataset_options(data_cfg):
+    """The data config minus the loader's own settings: what data.load_data takes."""
+    loader_keys = ("batch_size", "num_workers", "loader")
+    options = OmegaConf.to_container(data_cfg, resolve=True)
+    return {key: value for key, value in options.items() if key not in loader_keys}
+
+
+def read_dataset(data_cfg):
+    """data.load_data for the data config; any failure to read it becomes one DataError line."""
+    root = Path(data_cfg.root).expanduser()
+    if data_cfg.download:  # downloads write into data.root: find out now, not halfway through one
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=root).close()
+        except OSError as error:
+            raise data.DataError(
+                f"data.root={root} cannot be written ({error.strerror}); set data.root to a writable folder"
+            ) from error
+    try:
+        return data.load_data(**dataset_options(data_cfg))
+    except data.DataError:
+        raise
+    except Exception as error:  # truncated IDX files, bad pickles...: each reader fails its own way
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        raise data.DataError(
+            f"dataset {data_cfg.name} in {root} is corrupt ({reason}); replace its files "
+            "(data.download=true fetches fresh ones)"
+        ) from error
+
+
+def make_loaders(cfg, dataset, device):
+    """(train, val) loaders; only the training one shuffles, in an order set by the seed. Under torchrun
+    each process gets its part of every batch."""
+    rank, world_size = world()
+    return tuple(
+        data.make_loader(
+            images, labels, cfg.data.batch_size, shuffle, cfg.data.loader, device, cfg.data.num_workers, cfg.seed,
+            rank, world_size,
+        )
+        for images, labels, shuffle in (
+            (dataset.train_images, dataset.train_labels, True),
+            (dataset.val_images, dataset.val_labels, False),
+        )
+    )
+
+
+def make_model(cfg, dataset, device):
+    """Build the network with nn.Linear, then swap in ext.Linear for linear=custom.
+
+    The swap keeps the weights, so for one seed both choices start from identical parameters.
+    """
+    channels, height, width = dataset.image_shape
+    model = instantiate(
+        cfg.model,
+        num_classes=dataset.num_classes,
+        in_channels=channels,
+        image_size=(height, width),
+        small_input=max(height, width) <= SMALL_INPUT_MAX_PX,
+    )
+    if cfg.linear.name == "custom":
+        model = ext.replace_linears(model, fuse_relu=cfg.linear.fuse_relu)
+    return model.to(device)
+
+
+def build_training(cfg, dataset, device):
+    """(model, optimizer, scheduler, train loader, val loader) for `cfg`, all seeded by cfg.seed."""
+    torch.manual_seed(cfg.seed)
+    train_loader, val_loader = make_loaders(cfg, dataset, device)
+    model = make_model(cfg, dataset, device)
+    optimizer = instantiate(cfg.optim, params=model.parameters())
+    scheduler = instantiate(cfg.sched, optimizer=optimizer)
+    return model, optimizer, scheduler, train_loader, val_loader

@@ -1,0 +1,114 @@
+"""What a run tells: its one-line description, its hyperparameters for TensorBoard's HParams dashboard, and
+train.log (the console's lines with timestamps, plus tracebacks and lines for the file alone)."""
+import logging
+import sys
+from contextlib import contextmanager
+
+import torch
+from omegaconf import OmegaConf
+from torch.utils.tensorboard.summary import hparams
+
+from trainer import checkpoint
+from trainer.distributed import processes_text
+
+log = logging.getLogger("train")
+file_log = logging.getLogger("train.file")  # train.log only, not the terminal
+file_log.propagate = False
+
+
+def class_name(node):
+    """AdamW for a config built from `_target_: torch.optim.AdamW`."""
+    return node._target_.rsplit(".", 1)[-1]
+
+
+def counted(count, noun):
+    """'1 thread', '2 threads'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+
+def describe(cfg, device, num_params):
+    """The run in one line: what trains on what, how, and where."""
+    return (
+        f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
+        f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
+        f"batch {cfg.data.batch_size} x {counted(cfg.trainer.epochs, 'epoch')} | seed {cfg.seed} | "
+        f"{device}, {counted(torch.get_num_threads(), 'thread')}{processes_text()} | "
+        f"{num_params:,} parameters"
+    )
+
+
+def hparams_of(cfg, device, num_params):
+    """The run's settings for TensorBoard's HParams dashboard: the headline choices first, then every
+    other setting under its dotted key (lists as text)."""
+    headline = {
+        "model": cfg.model.name,
+        "linear": cfg.linear.name,
+        "data": cfg.data.name,
+        "optimizer": class_name(cfg.optim),
+        "scheduler": class_name(cfg.sched),
+        "lr": cfg.optim.lr,
+        "batch_size": cfg.data.batch_size,
+        "epochs": cfg.trainer.epochs,
+        "seed": cfg.seed,
+        "device": str(device),
+        "num_params": num_params,
+    }
+    in_headline = {"model.name", "linear.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
+                   "seed", "trainer.device"}
+    others = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, f"{name}.")
+            elif key != "_target_" and name not in in_headline:
+                others[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return headline | others
+
+
+def write_hparams(writer, cfg, device, num_params):
+    """The run's settings to the HParams dashboard. Only the session's hparams, no per-run "experiment":
+    TensorBoard then builds the table from every run's hparams (runs of different models have different
+    keys) and shows each scalar tag's last value as a metric column: final val/acc, time/epoch_s_mean, ..."""
+    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params), {})
+    writer.file_writer.add_summary(session_start)
+    writer.file_writer.add_summary(session_end)
+
+
+@contextmanager
+def logging_to(path):
+    """Copy `log`'s lines, with timestamps, into `path` (appending) while the block runs; `file_log`'s go
+    there alone."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    for logger in (log, file_log):
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    except Exception as error:  # the traceback goes to the file only; the terminal gets main's one line
+        handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, f"error: {error}", None, sys.exc_info()))
+        raise
+    finally:
+        for logger in (log, file_log):
+            logger.removeHandler(handler)
+        handler.close()
+
+
+@contextmanager
+def reporting_interrupts(run_dir):
+    """On Ctrl-C, say what was kept and the command that resumes, then let the interrupt end the run."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if (run_dir / checkpoint.LAST_NAME).is_file():
+            log.info(f"stopped: {run_dir / checkpoint.LAST_NAME} keeps the last complete epoch; "
+                     f"resume with: {checkpoint.resume_command(run_dir)}")
+        else:
+            log.info("stopped before the first epoch ended: nothing to resume")
+        raise
+
