@@ -174,7 +174,7 @@ def fault_notes(rows: list[Row]) -> list[str]:
             m, k, n = r.shape
             notes.append(f"note: {m}x{k}->{n} {r.pass_name}: page faults per call: {', '.join(faulting)}; "
                          "freed memory went back to the system and was faulted in again each call, which its "
-                         "time includes (the README says why)")
+                         "time includes (bench/README.md, Memory)")
     return notes
 
 
@@ -305,7 +305,7 @@ def main(argv=None) -> None:
 
     command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"{describe_cpu()}; torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
-              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, "
+              f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
               f"malloc: {malloc}")
     print(header)
     markdown = [f"`{command.strip()}`", "", header, ""]
