@@ -77,7 +77,7 @@ def job_failed(message, exit_code, run_dir):
     """A single run ends here with `message`. A sweep's job says it too, leaves it in its folder for the sweep
     summary and returns no objective (an Optuna search records a failed trial), so that the other jobs still
     run: exiting would end the whole sweep, and its summary with it. The sweep then exits with 1
-    (summary.py)."""
+    (trainer/summary.py)."""
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         fail(message, exit_code)
     print(f"error: job {Path(run_dir).name}: {message}", file=sys.stderr, flush=True)
