@@ -25,24 +25,34 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from torch.nn import functional as F
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 import data
 from trainer import checkpoint, memory, summary
-from trainer.build import (StepSettings, build_training, make_deterministic, make_loaders, make_model,
-                           pick_device, read_dataset, step_settings, threads_per_process, training_module)
+from trainer.build import (StepSettings, build_training, linear_flop_share, make_deterministic, make_loaders,
+                           make_model, pick_device, read_dataset, step_settings, threads_per_process,
+                           training_module)
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, check_command_line, fail, resume_arguments, validate
 from trainer.distributed import (join_process_group, step_batch_size, summed_over_processes,
                                  torchrun_arguments, world)
-from trainer.logs import describe, file_log, log, logging_to, reporting_interrupts, write_hparams
+from trainer.logs import (describe, file_log, log, logging_to, reporting_interrupts, tensorboard_writer, write_hparams,
+                          write_scalars)
+from trainer.timing import StepClock, mean_interval, timed_steps
 
 PROGRESS_EVERY_STEPS = 20  # the progress bar reads the loss (a device sync) only this often
 
 
 class RunStopped(Exception):
     """The run cannot go on; the message says why, what was kept, and what to try."""
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN or infinite at `step` of the epoch."""
+
+    def __init__(self, step, loss):
+        super().__init__(f"loss {loss} at step {step}")
+        self.step, self.loss = step, loss
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -105,7 +115,8 @@ def fit(cfg, run_dir):
     Returns the final validation accuracy. `python train.py` calls it; so can tests and scripts:
 
     Example:
-        >>> fit(trainer.config.load_config(["trainer.epochs=2"]), "outputs/try")
+        >>> from trainer.config import load_config
+        >>> fit(load_config(["trainer.epochs=2"]), "outputs/try")
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,20 +138,21 @@ def fit(cfg, run_dir):
         ExitStack() as closing,
     ):
         dataset = read_dataset(cfg.data)  # before the events file: a missing dataset leaves no empty run behind
-        # purge_step: TensorBoard drops what the interrupted run logged after its checkpoint
-        writer = closing.enter_context(
-            SummaryWriter(run_dir, purge_step=first_epoch if resumed else None)) if is_main else None
+        purge_step = first_epoch if resumed else None
+        writer = closing.enter_context(tensorboard_writer(run_dir, purge_step)) if is_main else None
         model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
         step_model = training_module(model, cfg, device)
         settings = step_settings(cfg, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())
-        description = describe(cfg, device, num_params)
+        flop_share = linear_flop_share(cfg, dataset)  # how much of the work a linear=custom run swaps
+        description = describe(cfg, device, num_params, flop_share)
         log.info(f"run: {description}")
         log.info(f"folder: {run_dir}")
         file_log.info(f"malloc: {memory.set_up()}")  # steps stop faulting their tensors in again
 
         show_progress = is_main and sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
         epoch_times_s = []
+        step_times_s = []  # each epoch's list of step times, for the interval around a speed ratio
         history = []  # each epoch's metrics, for summary.json
         global_step, best_val_acc = 0, -1.0
         if resumed:
@@ -149,6 +161,7 @@ def fit(cfg, run_dir):
             )
             global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
             epoch_times_s, history = resumed["epoch_times_s"], resumed["history"]
+            step_times_s = resumed.get("step_times_s", [])  # checkpoints written before step times: none
             log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
         for epoch in range(first_epoch, cfg.trainer.epochs + 1):
             lr = optimizer.param_groups[0]["lr"]
@@ -171,6 +184,7 @@ def fit(cfg, run_dir):
             val_loss, val_acc = evaluate(model, val_loader, device, settings)
             scheduler.step()
             epoch_times_s.append(stats.epoch_s)
+            step_times_s.append(stats.step_times_s)
 
             metrics = {
                 "train/loss": stats.loss,
@@ -183,9 +197,7 @@ def fit(cfg, run_dir):
             }
             history.append(metrics)
             if is_main:
-                for tag, value in metrics.items():
-                    writer.add_scalar(tag, value, epoch)
-                writer.flush()  # the epoch's events are on disk before its checkpoint is
+                write_scalars(writer, metrics, epoch)  # on disk before the epoch's checkpoint is
             log.info(
                 f"epoch {epoch}/{cfg.trainer.epochs}: train loss {stats.loss:.4f} acc {stats.acc:.2%} | "
                 f"val loss {val_loss:.4f} acc {val_acc:.2%} | {stats.epoch_s:.3f} s "
@@ -195,38 +207,19 @@ def fit(cfg, run_dir):
             best_val_acc = max(best_val_acc, val_acc)
             state = checkpoint.training_state(
                 epoch, global_step, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader), cfg,
-                best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history,
+                best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history, step_times_s=step_times_s,
             )
             if is_main:
                 checkpoint.save_epoch(state, run_dir, is_best)
 
         epoch_s_mean = sum(epoch_times_s) / len(epoch_times_s)
-        log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s | {description}")
+        step_ms = mean_interval(timed_steps(step_times_s), scale=1000)
+        log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s, mean step {step_ms} ms | "
+                 f"{description}")
         if is_main:
-            writer.add_scalar("time/epoch_s_mean", epoch_s_mean, cfg.trainer.epochs)
-            write_hparams(writer, cfg, device, num_params)
-            summary.write_run_summary(run_dir, history, num_params)
-    return val_acc
-
-
-def evaluate_checkpoint(cfg, run_dir):
-    """Evaluate the checkpoint at cfg.trainer.resume on the validation set, log loss and accuracy to the
-    terminal and `run_dir`/train.log, and return the accuracy. Trains nothing.
-
-    Example:
-        >>> evaluate_checkpoint(trainer.config.load_config(["trainer.eval_only=true", "trainer.resume=outputs/runs/..."]), "outputs/runs/...")
-    """
-    path = checkpoint.find(cfg.trainer.resume)
-    device = join_process_group(pick_device(cfg.trainer.device))  # under torchrun each rank evaluates a part
-    with logging_to(Path(run_dir) / "train.log") if world()[0] == 0 else nullcontext():
-        state = checkpoint.load(path)
-        dataset = read_dataset(cfg.data)
-        model = make_model(cfg, dataset, device)
-        checkpoint.load_model_state(model, state["model"], path)
-        _, val_loader = make_loaders(cfg, dataset, device)
-        val_loss, val_acc = evaluate(model, val_loader, device)
-        log.info(f"eval: val loss {val_loss:.4f} acc {val_acc:.2%} | epoch {state['epoch']} of {path} | "
-                 f"linear={cfg.linear.name}")
+            write_scalars(writer, {"time/epoch_s_mean": epoch_s_mean}, cfg.trainer.epochs)
+            write_hparams(writer, cfg, device, num_params, flop_share)
+            summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share)
     return val_acc
 
 
@@ -242,14 +235,7 @@ class EpochStats:
     acc: float
     epoch_s: float
     samples_per_s: float
-
-
-class NonFiniteLoss(Exception):
-    """The loss became NaN or infinite at `step` of the epoch."""
-
-    def __init__(self, step, loss):
-        super().__init__(f"loss {loss} at step {step}")
-        self.step, self.loss = step, loss
+    step_times_s: list  # every step's time, for the interval around a speed ratio (trainer/timing.py)
 
 
 def train_one_epoch(model, loader, optimizer, device, progress=None, settings=None):
@@ -267,6 +253,8 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
     num_samples = 0
     synchronize(device)
     start_s = time.perf_counter()
+    clock = StepClock(device)
+    clock.mark()
     for step, (images, labels) in enumerate(loader, 1):
         images = images.to(device, non_blocking=True, memory_format=settings.memory_format)
         labels = labels.to(device, non_blocking=True)
@@ -283,6 +271,7 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
         loss_sum += batch_loss_sum.detach()
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
+        clock.mark()
         # the sum stays NaN/inf once one loss was; a GPU is only asked now and then (each read syncs)
         if (device.type == "cpu" or step % PROGRESS_EVERY_STEPS == 0) and not math.isfinite(loss_sum.item()):
             raise NonFiniteLoss(step, loss.item())
@@ -295,7 +284,8 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
     if not math.isfinite(loss_sum.item()):
         raise NonFiniteLoss(step, loss.item())
     loss_sum, correct, num_samples = summed_over_processes([loss_sum.item(), correct.item(), num_samples], device)
-    return EpochStats(loss_sum / num_samples, correct / num_samples, epoch_s, num_samples / epoch_s)
+    return EpochStats(loss_sum / num_samples, correct / num_samples, epoch_s, num_samples / epoch_s,
+                      clock.durations_s())
 
 
 @torch.no_grad()
@@ -316,6 +306,28 @@ def evaluate(model, loader, device, settings=None):
         num_samples += len(labels)
     loss_sum, correct, num_samples = summed_over_processes([loss_sum.item(), correct.item(), num_samples], device)
     return loss_sum / num_samples, correct / num_samples
+
+
+def evaluate_checkpoint(cfg, run_dir):
+    """Evaluate the checkpoint at cfg.trainer.resume on the validation set, log loss and accuracy to the
+    terminal and `run_dir`/train.log, and return the accuracy. Trains nothing.
+
+    Example:
+        >>> run = "outputs/runs/..."
+        >>> evaluate_checkpoint(load_config(["trainer.eval_only=true", f"trainer.resume={run}"]), run)
+    """
+    path = checkpoint.find(cfg.trainer.resume)
+    device = join_process_group(pick_device(cfg.trainer.device))  # under torchrun each rank evaluates a part
+    with logging_to(Path(run_dir) / "train.log") if world()[0] == 0 else nullcontext():
+        state = checkpoint.load(path)
+        dataset = read_dataset(cfg.data)
+        model = make_model(cfg, dataset, device)
+        checkpoint.load_model_state(model, state["model"], path)
+        _, val_loader = make_loaders(cfg, dataset, device)
+        val_loss, val_acc = evaluate(model, val_loader, device)
+        log.info(f"eval: val loss {val_loss:.4f} acc {val_acc:.2%} | epoch {state['epoch']} of {path} | "
+                 f"linear={cfg.linear.name}")
+    return val_acc
 
 
 if __name__ == "__main__":

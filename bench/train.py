@@ -4,14 +4,16 @@
     python -m bench.train --epochs 3 --train-size 10000 --threads 1
     python -m bench.train --epochs 2 --train-size 2560 model=resnet18   # any model; add --malloc-defaults
     python -m bench.train --threads 2 --markdown bench_train.md         # the results as a markdown table too
+    python -m bench.train --compiled-torch                              # and torch.compile'd nn.Linear
 
 Both models start from the same weights and train on the same in-memory batches through the trainer's own
-train_one_epoch; their epochs alternate (torch, custom, torch, ...) so that a busy moment on the machine
-hits both alike. Epoch times are the trainer's time/epoch_s.
+train_one_epoch, with the trainer's own switches (trainer.amp, trainer.channels_last, trainer.compile); their
+epochs alternate (torch, custom, torch, ...) so that a busy moment on the machine hits both alike. The
+speedup is the ratio of mean step times, with a bootstrap interval over the steps and a verdict
+(trainer/timing.py). --compiled-torch adds linear=torch under torch.compile as a third side.
 """
 import argparse
 import statistics
-
 import sys
 
 import torch
@@ -19,9 +21,9 @@ import torch
 import data
 from bench.machine import describe_cpu
 import train
-from trainer import build, config, logs, memory
+from trainer import build, config, logs, memory, timing
 
-LINEARS = ("torch", "custom")
+COMPILED_TORCH = "torch.compile"  # the third side of --compiled-torch
 
 
 def positive_int(text: str) -> int:
@@ -37,79 +39,86 @@ def positive_int(text: str) -> int:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=positive_int, default=5, help="timed epochs per linear (after one warm-up)")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="timed epochs per side (after one warm-up)")
     parser.add_argument("--train-size", type=positive_int, default=60_000)
     parser.add_argument("--batch-size", type=positive_int, default=128)
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
                         help="torch threads (default: all)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does)")
+    parser.add_argument("--compiled-torch", action="store_true",
+                        help="add a third side: linear=torch under torch.compile, what a user would try first")
     parser.add_argument("--markdown", metavar="FILE", help="also write the results as a markdown table")
     parser.add_argument("overrides", nargs="*",
-                        help="more trainer overrides, e.g. model.hidden_sizes=[512,512] or model=resnet18")
+                        help="more trainer overrides, e.g. model.hidden_sizes=[512,512], model=resnet18, "
+                             "trainer.amp=true, trainer.channels_last=true, trainer.compile=true (both sides)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     malloc = memory.set_up(keep=not args.malloc_defaults)  # as the trainer runs, unless --malloc-defaults
 
-    overrides = {
-        linear: ["model=mlp", f"linear={linear}", "data=fake", "data.image_size=[1,28,28]",
-                 f"data.train_size={args.train_size}", "data.val_size=16", f"data.batch_size={args.batch_size}",
-                 "data.loader=memory", *args.overrides]
-        for linear in LINEARS
-    }
-    for linear_overrides in overrides.values():
-        config.check_command_line(linear_overrides)  # a bad override ends in one line, as with train.py
-    configs = {linear: config.load_config(linear_overrides) for linear, linear_overrides in overrides.items()}
+    common = ["model=mlp", "data=fake", "data.image_size=[1,28,28]", f"data.train_size={args.train_size}",
+              "data.val_size=16", f"data.batch_size={args.batch_size}", "data.loader=memory", *args.overrides]
+    sides = {"torch": ["linear=torch"], "custom": ["linear=custom"]}
+    if args.compiled_torch:
+        sides[COMPILED_TORCH] = ["linear=torch", "trainer.compile=true"]
+    overrides = {side: common + extra for side, extra in sides.items()}
+    for side_overrides in overrides.values():
+        config.check_command_line(side_overrides)  # a bad override ends in one line, as with train.py
+    configs = {side: config.load_config(side_overrides) for side, side_overrides in overrides.items()}
     device = build.pick_device(configs["torch"].trainer.device)
     print(f"loading fake data: {args.train_size:,} x 1x28x28 ...", flush=True)
     dataset = data.load_data(**build.dataset_options(configs["torch"].data))
     runs = {}
-    for linear, cfg in configs.items():
+    for side, cfg in configs.items():
+        # the trainer's own code paths: channels_last, torch.compile, DDP wrapping and the AMP settings
         model, optimizer, _, train_loader, _ = build.build_training(cfg, dataset, device)
-        runs[linear] = model, train_loader, optimizer
+        settings = build.step_settings(cfg, device)
+        runs[side] = build.training_module(model, cfg, device), train_loader, optimizer, settings
 
-    epoch_times_s = {linear: [] for linear in LINEARS}
+    epoch_times_s = {side: [] for side in sides}
+    step_times_s = {side: [] for side in sides}
     steps_per_epoch = len(runs["torch"][1])
     for epoch in range(args.epochs + 1):
-        for linear in LINEARS:
-            model, loader, optimizer = runs[linear]
+        for side in sides:
+            model, loader, optimizer, settings = runs[side]
             faults_before = memory.minor_page_faults()
-            stats = train.train_one_epoch(model, loader, optimizer, device)
+            stats = train.train_one_epoch(model, loader, optimizer, device, settings=settings)
             faults_per_step = (memory.minor_page_faults() - faults_before) / steps_per_epoch
-            if epoch > 0:  # the first epoch warms up caches and allocators
-                epoch_times_s[linear].append(stats.epoch_s)
-            print(f"epoch {epoch}{' (warm-up)' if epoch == 0 else ''} linear={linear}: "
+            if epoch > 0:  # the first epoch warms up caches, allocators and any compilation
+                epoch_times_s[side].append(stats.epoch_s)
+                step_times_s[side] += stats.step_times_s
+            print(f"epoch {epoch}{' (warm-up)' if epoch == 0 else ''} {side}: "
                   f"{stats.epoch_s:.3f} s, loss {stats.loss:.4f}, page faults per step {faults_per_step:,.0f}",
                   flush=True)
 
     model_cfg = configs["torch"].model
     model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
+    switches = " ".join(override for override in args.overrides if override.startswith("trainer."))
     setup = (f"model={model_text}, {args.train_size:,} x 1x28x28, batch {args.batch_size}, {device}, "
-             f"{logs.counted(args.threads, 'thread')}, {logs.counted(args.epochs, 'timed epoch')} each; "
-             f"malloc: {malloc}")
+             f"{logs.counted(args.threads, 'thread')}, {logs.counted(args.epochs, 'timed epoch')} each"
+             f"{', ' + switches if switches else ''}; malloc: {malloc}")
     print(f"\n{describe_cpu()}\n{setup}")
-    means_s = {linear: statistics.mean(times) for linear, times in epoch_times_s.items()}
-    medians_s = {linear: statistics.median(times) for linear, times in epoch_times_s.items()}
-    for linear in LINEARS:
-        print(f"linear={linear:<6}  mean epoch {means_s[linear]:.3f} s  median {medians_s[linear]:.3f} s  "
-              f"min {min(epoch_times_s[linear]):.3f} s  {args.train_size / means_s[linear]:,.0f} samples/s")
-    # the median shrugs off an epoch slowed by other work on a shared machine; the mean does not. Each pair
-    # of neighbouring epochs gives a ratio too: their spread is how far one run can be trusted.
-    paired = [t / c for t, c in zip(epoch_times_s["torch"], epoch_times_s["custom"])]
-    ratio = (f"mean {means_s['torch'] / means_s['custom']:.2f}, median {medians_s['torch'] / medians_s['custom']:.2f} "
-             f"(epoch by epoch {min(paired):.2f}-{max(paired):.2f})")
-    print(f"ratio torch/custom (above 1: custom is faster): {ratio}")
+    means_s = {side: statistics.mean(times) for side, times in epoch_times_s.items()}
+    rows = []
+    for side in sides:
+        rows.append(f"| {side} | {means_s[side]:.3f} | {statistics.median(epoch_times_s[side]):.3f} | "
+                    f"{min(epoch_times_s[side]):.3f} | {args.train_size / means_s[side]:,.0f} |")
+        print(f"{side:<14} mean epoch {means_s[side]:.3f} s  median {statistics.median(epoch_times_s[side]):.3f} s  "
+              f"min {min(epoch_times_s[side]):.3f} s  {args.train_size / means_s[side]:,.0f} samples/s")
+    # Every step's time from the interleaved epochs: a block bootstrap gives the ratio's interval (trainer/timing.py).
+    ratios = {other: timing.speedup(step_times_s[other], step_times_s["custom"])
+              for other in sides if other != "custom"}
+    ratio_lines = [f"custom's speedup over {other} (mean step time ratio): {ratio}" for other, ratio in ratios.items()]
+    print("\n".join(ratio_lines))
     if args.markdown:
         command = "python -m bench.train " + " ".join(argv if argv is not None else sys.argv[1:])
-        rows = [f"| {linear} | {means_s[linear]:.3f} | {medians_s[linear]:.3f} | {min(epoch_times_s[linear]):.3f} | "
-                f"{args.train_size / means_s[linear]:,.0f} |" for linear in LINEARS]
         lines = [f"`{command.strip()}`", "", describe_cpu(), "", setup, "",
-                 "| linear | mean epoch (s) | median (s) | fastest (s) | samples/s |", "|---|---|---|---|---|",
-                 *rows, "", f"- torch/custom (above 1: custom is faster): {ratio}", ""]
+                 "| side | mean epoch (s) | median (s) | fastest (s) | samples/s |", "|---|---|---|---|---|",
+                 *rows, "", *[f"- {line}" for line in ratio_lines], ""]
         with open(args.markdown, "w") as file:
             file.write("\n".join(lines))
         print(f"markdown written to {args.markdown}")
-    return means_s
+    return ratios
 
 
 if __name__ == "__main__":

@@ -177,6 +177,16 @@ def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, 
     assert not (tmp_path / "outputs").exists()
 
 
+def test_the_linear_layers_share_of_the_flops_says_what_a_swap_covers():
+    mlp = config.load_config([])
+    assert build.linear_flop_share(mlp, build.read_dataset(mlp.data)) == 1.0
+    resnet = config.load_config(["model=resnet18", "data=fake", "data.train_size=8", "data.val_size=8"])
+    dataset = build.read_dataset(resnet.data)  # 3x32x32: 0.56 GFLOP a forward, 10,240 of them in the 512->10 head
+    before = torch.get_rng_state()
+    assert build.linear_flop_share(resnet, dataset) == pytest.approx(2 * 512 * 10 / 1_110_845_440)
+    assert torch.equal(torch.get_rng_state(), before)  # counting draws no random numbers: seeds stay as they were
+
+
 def test_choices_are_named_in_their_natural_order():
     assert config.natural_order(["resnet152", "resnet18", "mlp", "resnet101", "resnet50", "resnet34"]) == [
         "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]

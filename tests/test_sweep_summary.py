@@ -1,6 +1,7 @@
 """trainer.summary: run summaries, and the sweep summary built from a sweep folder's jobs."""
 import csv
 import os
+import random
 
 import pytest
 from omegaconf import OmegaConf
@@ -13,7 +14,14 @@ def epoch(val_acc, epoch_s, samples_per_s):
             "throughput/train_samples_per_s": samples_per_s, "lr": 0.001}
 
 
-def make_job(sweep_dir, num, overrides, linear, history, finished=True, error=None):
+def steps(mean_s, epochs=3, per_epoch=200, seed=0):
+    """Per-epoch step times around `mean_s`, with 10% noise."""
+    rng = random.Random(seed)
+    return [[mean_s * rng.uniform(0.9, 1.1) for _ in range(per_epoch)] for _ in range(epochs)]
+
+
+def make_job(sweep_dir, num, overrides, linear, history, finished=True, error=None, step_times_s=None,
+             flop_share=None):
     """A job folder as a Hydra multirun leaves it: .hydra/ files and, if it finished, summary.json; if it
     failed, its failed.txt (a job killed outside our control leaves neither)."""
     job_dir = sweep_dir / f"{num}_job"
@@ -22,7 +30,7 @@ def make_job(sweep_dir, num, overrides, linear, history, finished=True, error=No
     OmegaConf.save(OmegaConf.create({"linear": {"name": linear}}), job_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": num}}}), job_dir / ".hydra" / "hydra.yaml")
     if finished:
-        summary.write_run_summary(job_dir, history, num_params=1000 + num)
+        summary.write_run_summary(job_dir, history, 1000 + num, step_times_s, flop_share)
     elif error:
         summary.write_job_failure(job_dir, error)
 
@@ -39,13 +47,14 @@ def test_run_summary_holds_final_best_and_means(tmp_path):
 
 def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     # jobs 0/1 and 2/3 differ only in linear; job 4 has no partner; job 5 failed, job 6 was killed
-    make_job(tmp_path, 0, ["linear=torch", "model.hidden_sizes=[64]"], "torch", [epoch(0.90, 2.0, 10.0)])
-    make_job(tmp_path, 1, ["linear=custom", "model.hidden_sizes=[64]"], "custom", [epoch(0.92, 1.0, 20.0)])
-    # job 3's second epoch was slowed by a busy moment: by mean epochs 0.75x, by fastest epochs 1.5x
+    make_job(tmp_path, 0, ["linear=torch", "model.hidden_sizes=[64]"], "torch", [epoch(0.90, 2.0, 10.0)],
+             step_times_s=steps(0.02, seed=0), flop_share=1.0)
+    make_job(tmp_path, 1, ["linear=custom", "model.hidden_sizes=[64]"], "custom", [epoch(0.92, 1.0, 20.0)],
+             step_times_s=steps(0.01, seed=1), flop_share=1.0)
     make_job(tmp_path, 2, ["linear=torch", "model.hidden_sizes=[128]"], "torch",
-             [epoch(0.95, 3.0, 10.0), epoch(0.95, 3.0, 10.0)])
+             [epoch(0.95, 3.0, 10.0), epoch(0.95, 3.0, 10.0)], step_times_s=steps(0.02, seed=2), flop_share=1.0)
     make_job(tmp_path, 3, ["linear=custom", "model.hidden_sizes=[128]"], "custom",
-             [epoch(0.94, 2.0, 20.0), epoch(0.94, 6.0, 20.0)])
+             [epoch(0.94, 2.0, 20.0), epoch(0.94, 6.0, 20.0)], step_times_s=steps(0.02, seed=3), flop_share=1.0)
     make_job(tmp_path, 4, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
     make_job(tmp_path, 5, ["optim.lr=9"], "custom", [], finished=False, error="loss became nan in epoch 1")
     make_job(tmp_path, 6, ["optim.lr=8"], "torch", [], finished=False)
@@ -58,20 +67,32 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     assert rows[5]["error"] == "loss became nan in epoch 1" and rows[5]["val_acc"] == ""
     assert rows[6]["error"] == "did not finish (no summary.json)" and rows[4]["error"] == ""
     assert rows[1]["overrides"] == "linear=custom model.hidden_sizes=[64]" and rows[1]["num_params"] == "1001"
-    assert float(rows[1]["speedup_vs_torch"]) == pytest.approx(2.0)
+    # the speedup comes from the step times (the first epoch left out), with its interval and verdict
+    assert float(rows[1]["speedup_vs_torch"]) == pytest.approx(2.0, rel=0.02)
+    assert float(rows[1]["speedup_low"]) < float(rows[1]["speedup_vs_torch"]) < float(rows[1]["speedup_high"])
+    assert float(rows[1]["speedup_low"]) > 1.9 and rows[1]["verdict"] == "custom is faster"
     assert float(rows[1]["val_acc_diff_points_vs_torch"]) == pytest.approx(2.0)
-    assert float(rows[1]["speedup_fastest_vs_torch"]) == pytest.approx(2.0)
-    assert float(rows[3]["speedup_vs_torch"]) == pytest.approx(0.75)
-    assert float(rows[3]["speedup_fastest_vs_torch"]) == pytest.approx(1.5)
+    assert float(rows[3]["speedup_low"]) < 1 < float(rows[3]["speedup_high"])
+    assert rows[3]["verdict"] == "no measurable difference" and rows[3]["linear_flop_share"] == "1.0"
     assert rows[3]["epoch_s_mean"] == "4.0" and rows[3]["epoch_s_min"] == "2.0"
     assert float(rows[3]["val_acc_diff_points_vs_torch"]) == pytest.approx(-1.0)
     assert rows[0]["speedup_vs_torch"] == rows[4]["speedup_vs_torch"] == ""
     assert (tmp_path / "summary.md").read_text() == markdown
-    assert "| `model.hidden_sizes=[64]` | 2.00x | 2.00x | +2.00 points |" in markdown
-    assert "| `model.hidden_sizes=[128]` | 0.75x | 1.50x | -1.00 points |" in markdown
-    assert "trust the fastest epochs more" in markdown
+    assert "| `model.hidden_sizes=[64]` | 1.99x | 1.98-2.01 | custom is faster | 100% of the FLOPs | +2.00 points |" in markdown
+    assert "| no measurable difference | 100% of the FLOPs | -1.00 points |" in markdown
+    assert "not a disturbance that lasts a whole job" in markdown and "bench.train" in markdown
     assert markdown.count("_job |") == 7 and "7 jobs, 2 failed" in markdown
     assert "| 5_job | `optim.lr=9` | loss became nan in epoch 1 |" in markdown.split("## Failed jobs")[1]
+
+
+def test_a_short_comparison_says_so_and_a_small_flop_share_says_what_it_measured(tmp_path):
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.9, 0.4, 10.0)], step_times_s=steps(0.002, seed=4),
+             flop_share=9.2e-6)
+    make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.9, 0.2, 20.0)], step_times_s=steps(0.001, seed=5),
+             flop_share=9.2e-6)
+    markdown = summary.summarize_sweep(tmp_path)
+    assert "too short to time (0.4 s of timed steps per side, under 1 s)" in markdown
+    assert "0.00092% of the FLOPs: this ratio is not a kernel comparison" in markdown
 
 
 def test_sweep_without_linear_pairs_has_no_comparison(tmp_path):
@@ -92,10 +113,10 @@ def test_objective_must_be_a_summary_value():
 
 
 def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
-    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)])
-    make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)])
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)], step_times_s=steps(0.02))
+    make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)], step_times_s=steps(0.02))
     summary.main([str(tmp_path)])
-    assert "| (none) | 2.00x | 2.00x | +2.00 points |" in capsys.readouterr().out
+    assert "| (none) | 1.00x |" in capsys.readouterr().out
     assert (tmp_path / "summary.csv").is_file() and (tmp_path / "summary.md").is_file()
     with pytest.raises(SystemExit):
         summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
@@ -112,15 +133,11 @@ def test_jobs_of_an_earlier_sweep_in_the_same_folder_are_left_out(tmp_path):
     assert [row["job"] for row in summary.job_rows(tmp_path)] == ["1_job"]
 
 
-def test_summaries_written_before_the_fastest_epoch_was_recorded_still_summarise(tmp_path):
+def test_summaries_written_before_step_times_were_recorded_still_summarise(tmp_path):
     for num, linear, epoch_s in ((0, "torch", 2.0), (1, "custom", 1.0)):
-        make_job(tmp_path, num, [f"linear={linear}"], linear, [epoch(0.9, epoch_s, 10.0)])
-        summary_path = tmp_path / f"{num}_job" / "summary.json"
-        old = summary.read_run_summary(summary_path.parent)
-        del old["time/epoch_s_min"]
-        summary.write_text_atomic(summary_path, summary.json.dumps(old))
+        make_job(tmp_path, num, [f"linear={linear}"], linear, [epoch(0.9, epoch_s, 10.0)])  # no step times
     markdown = summary.summarize_sweep(tmp_path)
-    assert "| (none) | 2.00x | - | +0.00 points |" in markdown
+    assert "| (none) | - | - | no step times recorded (a summary from an older version) | - | +0.00 points |" in markdown
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))
-    assert rows[1]["speedup_vs_torch"] == "2.0000" and rows[1]["speedup_fastest_vs_torch"] == ""
+    assert rows[1]["speedup_vs_torch"] == "" and rows[1]["verdict"] == "no step times recorded"

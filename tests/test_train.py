@@ -13,7 +13,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from conftest import num_threads
 import models
 import train
-from trainer import checkpoint, config, logs, memory
+from trainer import checkpoint, config, logs, memory, summary
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "throughput/train_samples_per_s", "lr"]
@@ -71,6 +71,17 @@ def test_hparams_dashboard_has_the_runs_choices_and_final_metrics(digits_runs):
     }
     assert hparams["lr"] == 1e-3 and hparams["batch_size"] == 64 and hparams["epochs"] == EPOCHS
     assert hparams["num_params"] == expected_params and hparams["model.hidden_sizes"] == "[256, 256]"
+    assert hparams["linear_flop_share"] == 1.0  # an MLP's work is all in its linear layers
+
+
+def test_run_summary_keeps_every_step_time_and_the_flop_share(digits_runs):
+    run_summary = summary.read_run_summary(digits_runs["custom"][0])
+    steps_per_epoch = 23  # ceil(1,438 training images / batch 64)
+    assert [len(epoch) for epoch in run_summary["time/step_s"]] == [steps_per_epoch] * EPOCHS
+    assert all(step > 0 for epoch in run_summary["time/step_s"] for step in epoch)
+    # the steps account for the epoch (the epoch's own time adds only the loop around them)
+    assert sum(run_summary["time/step_s"][-1]) == pytest.approx(run_summary["time/epoch_s"], rel=0.2)
+    assert run_summary["linear_flop_share"] == 1.0
 
 
 def test_train_log_has_one_line_per_epoch_and_a_summary(digits_runs):
@@ -78,9 +89,11 @@ def test_train_log_has_one_line_per_epoch_and_a_summary(digits_runs):
     text = (run_dir / "train.log").read_text()
     epochs = re.findall(r"epoch (\d+)/\d+: train loss [\d.]+ acc [\d.]+% \| val loss [\d.]+ acc ([\d.]+)%", text)
     assert [int(epoch) for epoch, _ in epochs] == list(range(1, EPOCHS + 1))
-    final = re.findall(r"final: val acc ([\d.]+)% \| mean epoch [\d.]+ s \| (.*)", text)
+    final = re.findall(r"final: val acc ([\d.]+)% \| mean epoch [\d.]+ s, mean step [\d.e+]+ "
+                       r"\(95% interval [\d.e+]+-[\d.e+]+\) ms \| (.*)", text)
     assert len(final) == 1 and float(final[0][0]) == pytest.approx(100 * val_acc, abs=0.005)
     assert final[0][1].startswith("mlp linear=custom on digits | AdamW lr=0.001")
+    assert final[0][1].endswith("85,002 parameters | linear layers: 100% of its FLOPs")  # what the swap covers
     if memory.glibc() and not memory.user_chose_malloc():
         assert "malloc: freed memory kept for reuse (trainer/memory.py)" in text  # steps stop faulting pages in
 

@@ -11,7 +11,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
 
 import data
 import ext  # builds (or loads the cached) operator now, once, before Hydra launches any job
@@ -40,7 +42,6 @@ def threads_per_process(setting):
     return max(1, cores // processes)
 
 
-
 def training_module(model, cfg, device):
     """What the training steps call: `model` (in channels_last memory for trainer.channels_last), in
     DistributedDataParallel under torchrun (which averages the processes' gradients), compiled for
@@ -52,7 +53,6 @@ def training_module(model, cfg, device):
     if cfg.trainer.compile:
         model = torch.compile(model)
     return model
-
 
 
 @dataclass
@@ -137,22 +137,50 @@ def make_loaders(cfg, dataset, device):
     )
 
 
-def make_model(cfg, dataset, device):
-    """Build the network with nn.Linear, then swap in ext.Linear for linear=custom.
-
-    The swap keeps the weights, so for one seed both choices start from identical parameters.
-    """
+def network(cfg, dataset):
+    """The network `cfg.model` names, sized for `dataset`, with nn.Linear layers."""
     channels, height, width = dataset.image_shape
-    model = instantiate(
+    return instantiate(
         cfg.model,
         num_classes=dataset.num_classes,
         in_channels=channels,
         image_size=(height, width),
         small_input=max(height, width) <= SMALL_INPUT_MAX_PX,
     )
+
+
+def make_model(cfg, dataset, device):
+    """Build the network with nn.Linear, then swap in ext.Linear for linear=custom.
+
+    The swap keeps the weights, so for one seed both choices start from identical parameters.
+    """
+    model = network(cfg, dataset)
     if cfg.linear.name == "custom":
         model = ext.replace_linears(model, fuse_relu=cfg.linear.fuse_relu)
     return model.to(device)
+
+
+def linear_flop_share(cfg, dataset):
+    """The share of the network's forward FLOPs done in its nn.Linear layers: the work linear=custom swaps,
+    and so the most a speed ratio between the two linears can say about our kernel.
+
+    Counted on a copy built on the meta device (shapes only: no memory, no arithmetic, no random numbers
+    drawn) for one image; every layer's FLOPs grow alike with the batch.
+    """
+    with torch.device("meta"):
+        model = network(cfg, dataset).eval()
+    linear_flops = 0
+
+    def count(module, inputs, output):
+        nonlocal linear_flops
+        linear_flops += 2 * inputs[0].numel() * module.out_features
+
+    hooks = [module.register_forward_hook(count) for module in model.modules() if isinstance(module, nn.Linear)]
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, *dataset.image_shape, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    return linear_flops / max(counter.get_total_flops(), 1)
 
 
 def build_training(cfg, dataset, device):

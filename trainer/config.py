@@ -312,4 +312,3 @@ def resume_arguments(argv):
 def fail(message, exit_code=2):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(exit_code)
-

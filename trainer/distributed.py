@@ -67,4 +67,3 @@ def processes_text():
     if not (dist.is_available() and dist.is_initialized()):
         return ""
     return f" each, {dist.get_world_size()} processes ({dist.get_backend()})"
-

@@ -1,15 +1,17 @@
-"""What a run tells: its one-line description, its hyperparameters for TensorBoard's HParams dashboard, and
-train.log (the console's lines with timestamps, plus tracebacks and lines for the file alone)."""
+"""What a run tells: its one-line description, its TensorBoard scalars and hyperparameters (the HParams
+dashboard), and train.log (the console's lines with timestamps, plus tracebacks and lines for the file alone)."""
 import logging
 import sys
 from contextlib import contextmanager
 
 import torch
 from omegaconf import OmegaConf
+from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
 from trainer import checkpoint
 from trainer.distributed import processes_text
+from trainer.summary import share_text
 
 log = logging.getLogger("train")
 file_log = logging.getLogger("train.file")  # train.log only, not the terminal
@@ -26,19 +28,20 @@ def counted(count, noun):
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-
-def describe(cfg, device, num_params):
-    """The run in one line: what trains on what, how, and where."""
+def describe(cfg, device, num_params, flop_share=None):
+    """The run in one line: what trains on what, how, and where, and (given `flop_share`) how much of the
+    network's work the linear layers do."""
+    coverage = f" | linear layers: {share_text(flop_share)} of its FLOPs" if flop_share is not None else ""
     return (
         f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
         f"batch {cfg.data.batch_size} x {counted(cfg.trainer.epochs, 'epoch')} | seed {cfg.seed} | "
         f"{device}, {counted(torch.get_num_threads(), 'thread')}{processes_text()} | "
-        f"{num_params:,} parameters"
+        f"{num_params:,} parameters{coverage}"
     )
 
 
-def hparams_of(cfg, device, num_params):
+def hparams_of(cfg, device, num_params, flop_share=None):
     """The run's settings for TensorBoard's HParams dashboard: the headline choices first, then every
     other setting under its dotted key (lists as text)."""
     headline = {
@@ -54,6 +57,8 @@ def hparams_of(cfg, device, num_params):
         "device": str(device),
         "num_params": num_params,
     }
+    if flop_share is not None:
+        headline["linear_flop_share"] = flop_share
     in_headline = {"model.name", "linear.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
                    "seed", "trainer.device"}
     others = {}
@@ -70,11 +75,24 @@ def hparams_of(cfg, device, num_params):
     return headline | others
 
 
-def write_hparams(writer, cfg, device, num_params):
+def tensorboard_writer(run_dir, purge_step=None):
+    """The run's TensorBoard writer. purge_step (a resumed run's first epoch): TensorBoard drops what the
+    interrupted run logged from that step on, after its checkpoint."""
+    return SummaryWriter(run_dir, purge_step=purge_step)
+
+
+def write_scalars(writer, scalars, step):
+    """Each of `scalars` ({tag: value}) at `step`, flushed: on disk before anything that follows."""
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value, step)
+    writer.flush()
+
+
+def write_hparams(writer, cfg, device, num_params, flop_share=None):
     """The run's settings to the HParams dashboard. Only the session's hparams, no per-run "experiment":
     TensorBoard then builds the table from every run's hparams (runs of different models have different
     keys) and shows each scalar tag's last value as a metric column: final val/acc, time/epoch_s_mean, ..."""
-    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params), {})
+    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params, flop_share), {})
     writer.file_writer.add_summary(session_start)
     writer.file_writer.add_summary(session_end)
 
@@ -111,4 +129,3 @@ def reporting_interrupts(run_dir):
         else:
             log.info("stopped before the first epoch ended: nothing to resume")
         raise
-

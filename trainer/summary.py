@@ -1,11 +1,12 @@
 """Run summaries and the sweep summary.
 
 Every run writes `summary.json` into its folder when it ends: the final value of every per-epoch tag,
-the best val/acc, mean and fastest epoch time, throughput, and the parameter count. At the end of every
-multirun the Hydra callback `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs'
-summaries into `summary.csv` and `summary.md` in the sweep folder, one row per job, and compares every pair
-of jobs that differ only in `linear`: the speedup of custom over torch (by mean and by fastest epoch) and
-the difference in val/acc. It prints the markdown at the end of the sweep. A job that failed leaves
+the best val/acc, mean and fastest epoch time, throughput, every step's time, the parameter count and the
+share of the network's FLOPs in its linear layers. At the end of every multirun the Hydra callback
+`SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs' summaries into `summary.csv` and
+`summary.md` in the sweep folder, one row per job, and compares every pair of jobs that differ only in
+`linear`: the speedup of custom over torch with its 95% interval and a verdict (trainer/timing.py), the
+share of the work it covers, and the difference in val/acc. It prints the markdown at the end of the sweep. A job that failed leaves
 `failed.txt` (its error) instead of `summary.json`; the other jobs still run, the summary lists it with its
 error, and the sweep exits with 1.
 
@@ -23,10 +24,15 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from trainer import timing
+
 RUN_SUMMARY_NAME = "summary.json"
 JOB_FAILURE_NAME = "failed.txt"
 CSV_NAME = "summary.csv"
 MARKDOWN_NAME = "summary.md"
+STEP_TIMES_KEY = "time/step_s"  # each epoch's list of step times
+# Below this share of the FLOPs in the linear layers, a custom/torch ratio mostly times the rest of the network.
+KERNEL_COMPARISON_MIN_SHARE = 0.5
 # summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises)
 OBJECTIVES = (
     "val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss", "time/epoch_s_mean", "time/epoch_s_min",
@@ -57,8 +63,10 @@ def write_text_atomic(path, text):
     os.replace(temporary, path)
 
 
-def write_run_summary(run_dir, history, num_params):
-    """summary.json for a finished run, from its per-epoch metrics (a list of {tag: value}, one per epoch).
+def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_flop_share=None):
+    """summary.json for a finished run, from its per-epoch metrics (a list of {tag: value}, one per epoch),
+    each epoch's step times (a list of lists, for the interval around a speed ratio) and the share of the
+    network's FLOPs in its linear layers.
 
     Example:
         >>> write_run_summary("outputs/try", [{"val/acc": 0.9, "time/epoch_s": 0.5, ...}], 200_000)
@@ -74,6 +82,10 @@ def write_run_summary(run_dir, history, num_params):
         "num_params": num_params,
         "epochs": len(history),
     }
+    if linear_flop_share is not None:
+        summary["linear_flop_share"] = linear_flop_share
+    if step_times_s is not None:
+        summary[STEP_TIMES_KEY] = step_times_s
     write_text_atomic(Path(run_dir) / RUN_SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -133,19 +145,29 @@ def linear_pairs(rows):
     return [(group["torch"], group["custom"]) for group in groups.values() if {"torch", "custom"} <= set(group)]
 
 
-def speedup(torch_row, custom_row, key="time/epoch_s_mean"):
-    """How many times faster custom's mean epoch (or, with key="time/epoch_s_min", its fastest) is than
-    torch's (> 1: custom is faster); None when a summary lacks the key (written before it existed)."""
-    if key not in torch_row or key not in custom_row:
+def speedup(torch_row, custom_row):
+    """custom's timing.Speedup over torch from the two jobs' step times (interval and verdict); None for
+    summaries written before step times were recorded."""
+    if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
         return None
-    return torch_row[key] / custom_row[key]
+    torch_steps, custom_steps = (timing.timed_steps(row[STEP_TIMES_KEY]) for row in (torch_row, custom_row))
+    return timing.speedup(torch_steps, custom_steps, sequential=True)  # a sweep's jobs: one after the other
 
 
-def fastest_speedup(torch_row, custom_row):
-    """speedup by each job's fastest epoch. The jobs of a sweep run one after another, so a busy moment on a
-    shared machine slows one side only; it lengthens some epochs but rarely all, and the fastest epochs
-    are the less disturbed comparison."""
-    return speedup(torch_row, custom_row, "time/epoch_s_min")
+def share_text(share):
+    """0.5 -> '50%', 9.2e-06 -> '0.00092%': small shares keep two significant digits."""
+    return f"{share:.0%}" if share >= 0.01 else f"{100 * share:.2g}%"
+
+
+def coverage_note(custom_row):
+    """What a pair's ratio can say about the kernel: the share of the network's FLOPs the swapped layers do."""
+    share = custom_row.get("linear_flop_share")
+    if share is None:
+        return "-"
+    note = f"{share_text(share)} of the FLOPs"
+    if share < KERNEL_COMPARISON_MIN_SHARE:
+        note += ": this ratio is not a kernel comparison"
+    return note
 
 
 def others_text(override_list):
@@ -163,19 +185,23 @@ def val_acc_diff_points(torch_row, custom_row):
 
 
 def to_csv(rows, pairs):
-    """One line per job; custom jobs with a torch partner also carry the speedup and accuracy difference, and
-    failed jobs their error instead of any figure."""
+    """One line per job; custom jobs with a torch partner also carry the speedup (with its interval and
+    verdict), the share of FLOPs it covers and the accuracy difference, and failed jobs their error instead
+    of any figure."""
     compared = {id(custom): (torch_row, custom) for torch_row, custom in pairs}
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([column for column, _, _ in JOB_COLUMNS] + ["speedup_vs_torch", "speedup_fastest_vs_torch",
-                                                                "val_acc_diff_points_vs_torch", "error"])
+    writer.writerow([column for column, _, _ in JOB_COLUMNS] + [
+        "speedup_vs_torch", "speedup_low", "speedup_high", "verdict", "linear_flop_share",
+        "val_acc_diff_points_vs_torch", "error"])
     for row in rows:
         pair = compared.get(id(row))
-        extra = ["", "", ""]
+        extra = [""] * 6
         if pair:
-            ratios = (speedup(*pair), fastest_speedup(*pair))  # None for a summary written without the key
-            extra = ["" if ratio is None else f"{ratio:.4f}" for ratio in ratios] + [f"{val_acc_diff_points(*pair):.2f}"]
+            ratio = speedup(*pair)
+            extra = ([f"{ratio.value:.4f}", f"{ratio.low:.4f}", f"{ratio.high:.4f}", ratio.verdict] if ratio
+                     else ["", "", "", "no step times recorded"])
+            extra += [row.get("linear_flop_share", ""), f"{val_acc_diff_points(*pair):.2f}"]
         writer.writerow([row.get(key, "") for _, key, _ in JOB_COLUMNS] + extra + [row.get("error", "")])
     return out.getvalue()
 
@@ -184,6 +210,14 @@ def markdown_table(header, lines):
     return "\n".join(
         ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(line) + " |" for line in lines]
     )
+
+
+def comparison_cells(torch_row, custom_row):
+    ratio = speedup(torch_row, custom_row)
+    figures = [f"{ratio.value:.2f}x", ratio.interval_text(), ratio.verdict] if ratio else [
+        "-", "-", "no step times recorded (a summary from an older version)"]
+    return [others_text(custom_row["override_list"]), *figures, coverage_note(custom_row),
+            f"{val_acc_diff_points(torch_row, custom_row):+.2f} points"]
 
 
 def to_markdown(sweep_dir, rows, pairs):
@@ -202,23 +236,15 @@ def to_markdown(sweep_dir, rows, pairs):
         text += f"\n## Failed jobs\n\n{errors}\n"
     if pairs:
         comparisons = markdown_table(
-            ["overrides besides linear", "speedup custom/torch, mean epochs", "fastest epochs",
+            ["overrides besides linear", "speedup custom/torch", "95% interval", "verdict", "linear layers do",
              "val_acc custom - torch"],
-            [
-                [
-                    others_text(custom["override_list"]),
-                    format_or_dash("{:.2f}x", speedup(torch_row, custom)),
-                    format_or_dash("{:.2f}x", fastest_speedup(torch_row, custom)),
-                    f"{val_acc_diff_points(torch_row, custom):+.2f} points",
-                ]
-                for torch_row, custom in pairs
-            ],
+            [comparison_cells(torch_row, custom) for torch_row, custom in pairs],
         )
-        text += (f"\n## linear=custom vs linear=torch (epoch time ratios)\n\n{comparisons}\n\n"
-                 "Each side ran as its own job, one after the other or beside other jobs, so a busy moment on "
-                 "the machine can slow one side only: where the two ratios differ, trust the fastest epochs "
-                 "more, and for a fair measurement interleave the two linears' epochs in one process "
-                 "(`python -m bench.train`).\n")
+        text += (f"\n## linear=custom vs linear=torch (mean step time ratios)\n\n{comparisons}\n\n"
+                 "The interval is a block bootstrap over each job's training steps (the first epoch left out "
+                 "where there are more; trainer/timing.py). It covers the noise within the two jobs, not a "
+                 "disturbance that lasts a whole job: they ran one after the other or beside other jobs. For a "
+                 "fair measurement interleave the two linears' epochs in one process (`python -m bench.train`).\n")
     return text
 
 

@@ -7,7 +7,7 @@
 //   at a time, one static array is exactly that block's shared memory, seen by
 //   all its threads (and by ThreadSanitizer as memory the threads share).
 // - __syncthreads() is a real barrier among the block's threads. If not every
-//   thread reaches it within EMU_BARRIER_TIMEOUT_S seconds (default 10), the
+//   thread reaches it within EMU_BARRIER_TIMEOUT_S seconds (default 30), the
 //   process prints which block and how many threads arrived, and exits with
 //   kBarrierTimeoutExit: an error, never a hang.
 // - __half and __nv_bfloat16 convert with round-to-nearest-even, like the GPU.

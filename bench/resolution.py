@@ -1,0 +1,68 @@
+"""How much timed work a custom/torch ratio needs on this machine: identical runs compared with each other.
+
+    python -m bench.resolution                          # 4 sizes x 3 pairs, about 4 minutes on 2 cores
+    python -m bench.resolution --sizes 1280,20480 --pairs 5 --markdown bench_resolution.md
+
+Each pair is two identical training runs (linear=torch both, the MLP on fake MNIST-size data), one after the
+other in their own processes, as a sweep runs its jobs. Their true speed ratio is 1, so every departure from
+1, and every interval that leaves 1 out, is the machine's noise. trainer/timing.py's MIN_TIMED_S, below which
+a comparison reads "too short to time", is chosen from this table: the least timed work at which no pair
+strayed by more than MAX_ERROR and no pair's interval left 1 out.
+"""
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.machine import describe_cpu
+from trainer import summary, timing
+
+REPO = Path(__file__).resolve().parents[1]
+EPOCHS = 5  # the first is left out of the timing, as in every comparison
+MAX_ERROR = 0.05
+
+
+def run_once(folder, train_size, threads):
+    """One run into `folder`; its step times per epoch."""
+    overrides = ["model=mlp", "linear=torch", "data=fake", "data.image_size=[1,28,28]",
+                 f"data.train_size={train_size}", "data.val_size=16", "data.batch_size=128", f"trainer.epochs={EPOCHS}",
+                 f"trainer.threads={threads}", f"hydra.run.dir={folder}"]
+    subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, check=True,
+                   capture_output=True, text=True)
+    return summary.read_run_summary(folder)[summary.STEP_TIMES_KEY]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.resolution", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1280,5120,20480,40960", help="training images per run, comma-separated")
+    parser.add_argument("--pairs", type=int, default=3, help="pairs of identical runs per size")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for size in (int(text) for text in args.sizes.split(",")):
+            for pair in range(args.pairs):
+                first, second = (run_once(Path(scratch, f"{size}-{pair}-{side}"), size, args.threads)
+                                 for side in ("a", "b"))
+                ratio = timing.speedup(timing.timed_steps(first), timing.timed_steps(second))
+                strayed = abs(ratio.value - 1) > MAX_ERROR
+                excludes_one = not ratio.low <= 1 <= ratio.high
+                rows.append(f"| {size:,} | {pair + 1} | {ratio.timed_s:.2f} | {ratio.value:.3f} | "
+                            f"{ratio.interval_text()} | {'yes' if strayed else 'no'} | {'yes' if excludes_one else 'no'} |")
+                print(rows[-1], flush=True)
+    command = "python -m bench.resolution " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"`{command.strip()}`", "", describe_cpu(), "",
+             f"MLP 784-256-256-10, batch 128, {args.threads} threads, {EPOCHS} epochs a run (the first not timed)", "",
+             "| images | pair | timed s per run | ratio | 95% interval | off by more than 5% | interval leaves 1 out |",
+             "|---|---|---|---|---|---|---|", *rows, ""]
+    print("\n".join(lines))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(lines))
+        print(f"markdown written to {args.markdown}")
+
+
+if __name__ == "__main__":
+    main()

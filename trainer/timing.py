@@ -1,0 +1,130 @@
+"""How sure a speed ratio is: step times, a bootstrap interval for the custom/torch ratio, and a verdict in words.
+
+A ratio of two mean epoch times says nothing about how far it could move on a rerun. So runs record every
+training step's time, and a comparison resamples them: a moving-block bootstrap over each side's steps
+(blocks of consecutive steps, because a busy moment on a shared machine slows neighbouring steps together),
+BOOTSTRAP_SAMPLES times, gives a 95% interval for the ratio of the two means. The first epoch is left out
+where there are more (it warms up caches, the allocator and any compilation).
+
+What the interval cannot see: a disturbance that lasts a whole job. Two jobs of a sweep run one after the
+other, and identical runs one after another differed here by far more than their intervals allow. So a
+comparison of jobs that ran one after the other (`sequential=True`: the sweep summary) counts as a
+difference only beyond SEQUENTIAL_NOISE; `python -m bench.train`, which interleaves the two sides' epochs in
+one process, needs no such margin and is the fairer measurement.
+
+Both thresholds were measured with `python -m bench.resolution` (pairs of identical runs, one after the other)
+on an AMD EPYC (Zen 3, 2 vCPUs, shared); bench/README.md has the table:
+- MIN_TIMED_S: with 0.09-0.33 s of timed steps, 5 of 6 identical pairs read more than 5% apart, with intervals
+  that left 1 out; with 1.3 s, none of 3 did.
+- SEQUENTIAL_NOISE: with 1.3-2.9 s, identical pairs still read 0.80-1.07: a whole job ran slower.
+"""
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CONFIDENCE = 0.95
+BOOTSTRAP_SAMPLES = 2000
+MIN_TIMED_S = 1.0  # less timed work per side: "too short to time"
+SEQUENTIAL_NOISE = 1.25  # identical runs one after the other read up to this far apart (either way)
+
+
+class StepClock:
+    """Marks the end of each training step; `durations_s()` at the end of the epoch gives every step's time.
+
+    On the CPU a clock read per step; on a GPU a CUDA event per step, read once at the end, so that timing
+    adds no synchronisation to the steps.
+    """
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations_s(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) / 1000 for start, end in zip(self.marks, self.marks[1:])]
+        return [end - start for start, end in zip(self.marks, self.marks[1:])]
+
+
+def timed_steps(step_times_s):
+    """The steps a comparison uses, from a run's per-epoch lists: every epoch but the first, where there are
+    more (the first warms up)."""
+    epochs = step_times_s[1:] if len(step_times_s) > 1 else step_times_s
+    return [step for epoch in epochs for step in epoch]
+
+
+def bootstrap_means(steps, rng, samples=BOOTSTRAP_SAMPLES):
+    """Means of `samples` moving-block resamples of `steps` (blocks of about n^(1/3) consecutive steps)."""
+    steps = np.asarray(steps, dtype=np.float64)
+    n = len(steps)
+    block = max(1, round(n ** (1 / 3)))
+    blocks_per_sample = math.ceil(n / block)
+    starts = rng.integers(0, n - block + 1, size=(samples, blocks_per_sample))
+    index = (starts[:, :, None] + np.arange(block)).reshape(samples, -1)[:, :n]
+    return steps[index].mean(axis=1)
+
+
+def percentiles(values):
+    tail = 100 * (1 - CONFIDENCE) / 2
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def mean_interval(steps, scale=1.0, seed=0):
+    """'1.02 (95% interval 0.99-1.05)': the mean of `steps` times `scale`, with its bootstrap interval."""
+    if not steps:
+        return "-"
+    low, high = percentiles(bootstrap_means(steps, np.random.default_rng(seed)) * scale)
+    return f"{np.mean(steps) * scale:.3g} (95% interval {low:.3g}-{high:.3g})"
+
+
+@dataclass
+class Speedup:
+    """custom's speedup over torch (torch's mean step time / custom's; above 1: custom is faster), with its
+    interval and the verdict in words."""
+
+    value: float
+    low: float
+    high: float
+    timed_s: float  # the lesser of the two sides' timed work
+    sequential: bool = False  # the sides ran one after the other, not interleaved
+
+    @property
+    def verdict(self):
+        if self.timed_s < MIN_TIMED_S:
+            return f"too short to time ({self.timed_s:.2g} s of timed steps per side, under {MIN_TIMED_S:g} s)"
+        if self.low <= 1 <= self.high:
+            return "no measurable difference"
+        if self.sequential and self.low < SEQUENTIAL_NOISE and self.high > 1 / SEQUENTIAL_NOISE:
+            return (f"no measurable difference (runs one after the other differ by up to "
+                    f"{SEQUENTIAL_NOISE - 1:.0%} here; python -m bench.train interleaves them)")
+        return "custom is faster" if self.low > 1 else "custom is slower"
+
+    def interval_text(self):
+        return f"{self.low:.2f}-{self.high:.2f}"
+
+    def __str__(self):
+        return f"{self.value:.2f}x (95% interval {self.interval_text()}): {self.verdict}"
+
+
+def speedup(torch_steps, custom_steps, sequential=False, seed=0):
+    """Speedup of custom over torch from each side's step times (flat lists: see timed_steps); None when a
+    side has none (a summary written before step times were recorded). `sequential`: the two sides ran one
+    after the other (two jobs of a sweep), so only a difference beyond SEQUENTIAL_NOISE counts."""
+    if not torch_steps or not custom_steps:
+        return None
+    rng = np.random.default_rng(seed)
+    low, high = percentiles(bootstrap_means(torch_steps, rng) / bootstrap_means(custom_steps, rng))
+    value = float(np.mean(torch_steps) / np.mean(custom_steps))
+    return Speedup(value, low, high, min(sum(torch_steps), sum(custom_steps)), sequential)
