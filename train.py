@@ -36,7 +36,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, check_command_line, fail, resume_arguments, validate
 from trainer.distributed import (join_process_group, step_batch_size, summed_over_processes,
                                  torchrun_arguments, world)
-from trainer.logs import (describe, file_log, log, logging_to, reporting_interrupts, tensorboard_writer, write_hparams,
+from trainer.logs import (describe, describe_data, file_log, log, logging_to, reporting_interrupts, tensorboard_writer, write_hparams,
                           write_scalars)
 from trainer.timing import StepClock, mean_interval, timed_steps
 
@@ -137,7 +137,10 @@ def fit(cfg, run_dir):
         reporting_interrupts(run_dir),
         ExitStack() as closing,
     ):
+        log.info(f"loading {cfg.data.name} ...")
+        loading_started_s = time.perf_counter()
         dataset = read_dataset(cfg.data)  # before the events file: a missing dataset leaves no empty run behind
+        log.info(f"data: {describe_data(cfg.data.name, dataset)} ({time.perf_counter() - loading_started_s:.1f} s)")
         purge_step = first_epoch if resumed else None
         writer = closing.enter_context(tensorboard_writer(run_dir, purge_step)) if is_main else None
         model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import data
+from data import datasets
 
 IDX_UBYTE = 0x08  # IDX type code of unsigned bytes
 
@@ -129,6 +130,18 @@ def test_fake_data_of_any_shape_is_reproducible():
     assert first.num_classes == 3 and set(first.train_labels.tolist()) <= {0, 1, 2}
     assert torch.equal(first.train_images, second.train_images)
     assert not torch.equal(first.train_images[:4], first.val_images)
+    other_seed = data.load_data("fake", root="unused", train_size=6, val_size=4, image_size=[2, 5, 7], num_classes=3,
+                                seed=1)
+    assert not torch.equal(first.train_images, other_seed.train_images)
+    # the validation split does not move when the training split grows
+    raw = datasets.read_fake("unused", False, 6, 4, (2, 5, 7), 3)
+    raw_bigger = datasets.read_fake("unused", False, 60, 4, (2, 5, 7), 3)
+    assert torch.equal(raw[2], raw_bigger[2]) and torch.equal(raw[0], raw_bigger[0][:6])
+    assert raw[0].min() >= 0 and raw[0].max() <= 1 and len(raw[0].unique()) > 100  # random pixels, not a pattern
+
+
+def test_fake_data_takes_any_number_of_channels():
+    assert data.load_data("fake", root="unused", train_size=2, val_size=2, image_size=[6, 4, 4]).image_shape == (6, 4, 4)
 
 
 @pytest.mark.parametrize("kind", data.LOADER_KINDS)

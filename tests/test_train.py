@@ -135,6 +135,9 @@ def test_single_run_folder_is_dated_and_named_after_its_choices(tmp_path):
     assert list(run_dir.glob("events.out.tfevents.*"))
     assert "\r" not in result.stderr + result.stdout  # not a terminal: plain lines, no progress bars
     assert re.search(r"^epoch 1/1: train loss", result.stdout, re.MULTILINE)
+    # the data says what it is, and how long it took to load, before the first epoch
+    assert re.search(r"^loading digits \.\.\.\ndata: digits, 1,438 training and 359 validation images of 1x8x8, "
+                     r"10 classes \([\d.]+ s\)$", result.stdout, re.MULTILINE)
     # the malloc setting is for whoever reads the log later, not for the terminal
     assert "malloc:" not in result.stdout + result.stderr and "malloc:" in (run_dir / "train.log").read_text()
 

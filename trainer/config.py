@@ -199,10 +199,10 @@ def one_of(options):
     return Rule(lambda v: v in options, f"one of {', '.join(options)}")
 
 
-def int_list(length=None, first_max=None):
-    """A list of positive integers (of `length` items, the first at most `first_max`)."""
+def int_list(length=None):
+    """A list of positive integers (of `length` items)."""
     return lambda v: (isinstance(v, ListConfig) and all(is_int(x) and x > 0 for x in v)
-                      and (length is None or len(v) == length) and (first_max is None or v[0] <= first_max))
+                      and (length is None or len(v) == length))
 
 
 # An override reads only true/false as booleans; another word is a string, which would count as true.
@@ -236,8 +236,7 @@ OPTION_RULES = {
     "data.train_size": POSITIVE_INT,
     "data.val_size": POSITIVE_INT,
     "data.num_classes": Rule(lambda v: is_int(v) and v >= 2, "an integer >= 2"),
-    # FakeData makes its images through PIL: 1 to 4 channels
-    "data.image_size": Rule(int_list(length=3, first_max=4), "[channels, height, width] with 1 to 4 channels"),
+    "data.image_size": Rule(int_list(length=3), "[channels, height, width], each a positive integer"),
     "data.download": BOOL,
     "model.hidden_sizes": Rule(int_list(), "a list of positive integers"),
     "model.activation": one_of(models.ACTIVATIONS),

@@ -41,6 +41,13 @@ def describe(cfg, device, num_params, flop_share=None):
     )
 
 
+def describe_data(name, dataset):
+    """'digits, 1,438 training and 359 validation images of 1x8x8, 10 classes'."""
+    shape = "x".join(str(size) for size in dataset.image_shape)
+    return (f"{name}, {len(dataset.train_labels):,} training and {len(dataset.val_labels):,} validation images of "
+            f"{shape}, {dataset.num_classes} classes")
+
+
 def hparams_of(cfg, device, num_params, flop_share=None):
     """The run's settings for TensorBoard's HParams dashboard: the headline choices first, then every
     other setting under its dotted key (lists as text)."""
