@@ -36,8 +36,8 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, check_command_line, fail, resume_arguments, validate
 from trainer.distributed import (join_process_group, step_batch_size, summed_over_processes,
                                  torchrun_arguments, world)
-from trainer.logs import (describe, describe_data, file_log, log, logging_to, reporting_interrupts, tensorboard_writer, write_hparams,
-                          write_scalars)
+from trainer.logs import (describe, describe_data, file_log, log, logging_to, reporting_interrupts,
+                          tensorboard_writer, write_hparams, write_scalars)
 from trainer.timing import StepClock, mean_interval, timed_steps
 
 PROGRESS_EVERY_STEPS = 20  # the progress bar reads the loss (a device sync) only this often
@@ -196,7 +196,7 @@ def fit(cfg, run_dir):
                 "val/acc": val_acc,
                 "time/epoch_s": stats.epoch_s,
                 "throughput/train_samples_per_s": stats.samples_per_s,
-                "lr": lr,
+                "optim/lr": lr,  # not "lr": the HParams table shows the configured lr under that name
             }
             history.append(metrics)
             if is_main:
@@ -210,7 +210,7 @@ def fit(cfg, run_dir):
             best_val_acc = max(best_val_acc, val_acc)
             state = checkpoint.training_state(
                 epoch, global_step, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader), cfg,
-                best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, history=history, step_times_s=step_times_s,
+                best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, step_times_s=step_times_s, history=history,
             )
             if is_main:
                 checkpoint.save_epoch(state, run_dir, is_best)

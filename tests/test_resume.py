@@ -21,7 +21,7 @@ EPOCHS = 3
 STEPS_PER_EPOCH = 23  # digits: 1,438 training images in batches of 64
 # dropout draws from torch's RNG every step: an exact resume must restore it, not only the data order
 RUN = [f"trainer.epochs={EPOCHS}", "model.dropout=0.2"]
-EXACT_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "lr"]  # all but the timings
+EXACT_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "optim/lr"]  # all but the timings
 
 # Runs train.py as `python train.py ...` does, with one event injected at the N-th call of a function:
 #   python HOOKED_TRAIN <event> <N> <train.py arguments>

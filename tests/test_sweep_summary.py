@@ -11,7 +11,7 @@ from trainer import config, summary
 
 def epoch(val_acc, epoch_s, samples_per_s):
     return {"train/loss": 0.5, "train/acc": 0.8, "val/loss": 0.4, "val/acc": val_acc, "time/epoch_s": epoch_s,
-            "throughput/train_samples_per_s": samples_per_s, "lr": 0.001}
+            "throughput/train_samples_per_s": samples_per_s, "optim/lr": 0.001}
 
 
 def steps(mean_s, epochs=3, per_epoch=200, seed=0):

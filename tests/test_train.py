@@ -16,7 +16,8 @@ import train
 from trainer import checkpoint, config, logs, memory, summary
 
 REPO = Path(__file__).resolve().parents[1]
-EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "throughput/train_samples_per_s", "lr"]
+EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "throughput/train_samples_per_s",
+              "optim/lr"]
 EPOCHS = 4
 
 
@@ -54,7 +55,7 @@ def test_tensorboard_holds_every_tag_once_per_epoch(digits_runs, linear):
     epoch_s = [event.value for event in accumulator.Scalars("time/epoch_s")]
     assert all(value > 0 for value in epoch_s)
     assert accumulator.Scalars("time/epoch_s_mean")[0].value == pytest.approx(sum(epoch_s) / EPOCHS, rel=1e-5)
-    lrs = [event.value for event in accumulator.Scalars("lr")]
+    lrs = [event.value for event in accumulator.Scalars("optim/lr")]
     assert lrs[0] == pytest.approx(1e-3) and lrs == sorted(lrs, reverse=True)  # cosine decay
     assert not [path for path in run_dir.iterdir() if path.is_dir()]  # hparams live in the run's own folder
 
@@ -105,6 +106,18 @@ def test_last_checkpoint_holds_the_final_state(digits_runs):
     plain = models.build_model("mlp", 10, 1, image_size=(8, 8))
     plain.load_state_dict(checkpoint["model"])  # a custom run's weights load into nn.Linear layers
     assert {"optimizer", "scheduler"} <= set(checkpoint) and not list(run_dir.glob("*.tmp"))
+
+
+def test_ctrl_c_before_the_first_epoch_marks_the_folder_as_never_trained(tmp_path):
+    with pytest.raises(KeyboardInterrupt), logs.reporting_interrupts(tmp_path):
+        raise KeyboardInterrupt  # while the data loads, say
+    assert (tmp_path / "failed.txt").read_text().strip() == logs.NOT_STARTED
+    assert summary.job_error(tmp_path) == logs.NOT_STARTED  # a sweep summary lists it with that reason
+    (tmp_path / "failed.txt").unlink()
+    (tmp_path / "last.pt").write_bytes(b"an epoch")  # after an epoch the folder keeps training: no mark
+    with pytest.raises(KeyboardInterrupt), logs.reporting_interrupts(tmp_path):
+        raise KeyboardInterrupt
+    assert not (tmp_path / "failed.txt").exists()
 
 
 def test_save_atomic_keeps_the_old_file_when_writing_fails(tmp_path):

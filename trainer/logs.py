@@ -9,13 +9,13 @@ from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
-from trainer import checkpoint
+from trainer import checkpoint, summary
 from trainer.distributed import processes_text
-from trainer.summary import share_text
 
 log = logging.getLogger("train")
 file_log = logging.getLogger("train.file")  # train.log only, not the terminal
 file_log.propagate = False
+NOT_STARTED = "stopped (Ctrl-C) before the first epoch ended: nothing was trained"
 
 
 def class_name(node):
@@ -31,7 +31,7 @@ def counted(count, noun):
 def describe(cfg, device, num_params, flop_share=None):
     """The run in one line: what trains on what, how, and where, and (given `flop_share`) how much of the
     network's work the linear layers do."""
-    coverage = f" | linear layers: {share_text(flop_share)} of its FLOPs" if flop_share is not None else ""
+    coverage = f" | linear layers: {summary.share_text(flop_share)} of its FLOPs" if flop_share is not None else ""
     return (
         f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
@@ -126,13 +126,15 @@ def logging_to(path):
 
 @contextmanager
 def reporting_interrupts(run_dir):
-    """On Ctrl-C, say what was kept and the command that resumes, then let the interrupt end the run."""
+    """On Ctrl-C, say what was kept and the command that resumes, then let the interrupt end the run. A run
+    stopped before its first epoch ended leaves failed.txt saying so: its folder holds no training."""
     try:
         yield
     except KeyboardInterrupt:
         if (run_dir / checkpoint.LAST_NAME).is_file():
             log.info(f"stopped: {run_dir / checkpoint.LAST_NAME} keeps the last complete epoch; "
                      f"resume with: {checkpoint.resume_command(run_dir)}")
-        else:
-            log.info("stopped before the first epoch ended: nothing to resume")
+        else:  # the folder holds no training: marked so, for the user and the sweep summary
+            summary.write_job_failure(run_dir, NOT_STARTED)
+            log.info(f"stopped before the first epoch ended: nothing to resume ({summary.JOB_FAILURE_NAME} says so)")
         raise

@@ -6,9 +6,9 @@ share of the network's FLOPs in its linear layers. At the end of every multirun 
 `SweepSummary` (registered in conf/hydra/default.yaml) gathers the jobs' summaries into `summary.csv` and
 `summary.md` in the sweep folder, one row per job, and compares every pair of jobs that differ only in
 `linear`: the speedup of custom over torch with its 95% interval and a verdict (trainer/timing.py), the
-share of the work it covers, and the difference in val/acc. It prints the markdown at the end of the sweep. A job that failed leaves
-`failed.txt` (its error) instead of `summary.json`; the other jobs still run, the summary lists it with its
-error, and the sweep exits with 1.
+share of the work it covers, and the difference in val/acc. It prints the markdown at the end of the sweep.
+A job that failed (or was stopped before its first epoch ended) leaves `failed.txt` (its error) instead of
+`summary.json`; the other jobs still run, the summary lists it with its error, and the sweep exits with 1.
 
     python train.py -m linear=torch,custom model.hidden_sizes=[256],[1024]
     # -> outputs/multirun/<date>/<time>/summary.md
