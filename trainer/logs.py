@@ -82,10 +82,18 @@ def hparams_of(cfg, device, num_params, flop_share=None):
     return headline | others
 
 
+# TensorBoard's Custom Scalars dashboard: the headline curves of every run shown, one chart each.
+COMPARISON_LAYOUT = {"torch vs custom": {
+    tag: ["Multiline", [f"^{tag}$"]] for tag in ("val/acc", "train/loss", "time/epoch_s")
+}}
+
+
 def tensorboard_writer(run_dir, purge_step=None):
-    """The run's TensorBoard writer. purge_step (a resumed run's first epoch): TensorBoard drops what the
-    interrupted run logged from that step on, after its checkpoint."""
-    return SummaryWriter(run_dir, purge_step=purge_step)
+    """The run's TensorBoard writer, with the comparison layout. purge_step (a resumed run's first epoch):
+    TensorBoard drops what the interrupted run logged from that step on, after its checkpoint."""
+    writer = SummaryWriter(run_dir, purge_step=purge_step)
+    writer.add_custom_scalars(COMPARISON_LAYOUT)
+    return writer
 
 
 def write_scalars(writer, scalars, step):
