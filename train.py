@@ -163,7 +163,7 @@ def fit(cfg, run_dir):
                 resumed, resume_path, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader)
             )
             global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
-            epoch_times_s, history = resumed["epoch_times_s"], resumed["history"]
+            epoch_times_s, history = resumed["epoch_times_s"], checkpoint.current_history(resumed["history"])
             step_times_s = resumed.get("step_times_s", [])  # checkpoints written before step times: none
             log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
         for epoch in range(first_epoch, cfg.trainer.epochs + 1):
@@ -195,8 +195,8 @@ def fit(cfg, run_dir):
                 "val/loss": val_loss,
                 "val/acc": val_acc,
                 "time/epoch_s": stats.epoch_s,
-                "throughput/train_samples_per_s": stats.samples_per_s,
-                "optim/lr": lr,  # not "lr": the HParams table shows the configured lr under that name
+                "time/train_samples_per_s": stats.samples_per_s,
+                "train/lr": lr,  # not "lr": the HParams table shows the configured lr under that name
             }
             history.append(metrics)
             if is_main:

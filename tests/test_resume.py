@@ -21,7 +21,7 @@ EPOCHS = 3
 STEPS_PER_EPOCH = 23  # digits: 1,438 training images in batches of 64
 # dropout draws from torch's RNG every step: an exact resume must restore it, not only the data order
 RUN = [f"trainer.epochs={EPOCHS}", "model.dropout=0.2"]
-EXACT_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "optim/lr"]  # all but the timings
+EXACT_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "train/lr"]  # all but the timings
 
 # Runs train.py as `python train.py ...` does, with one event injected at the N-th call of a function:
 #   python HOOKED_TRAIN <event> <N> <train.py arguments>
@@ -331,3 +331,8 @@ def test_amp_loss_scale_survives_a_checkpoint():
     disabled = torch.amp.GradScaler("cpu", enabled=False)
     assert checkpoint.training_state(1, 10, model, optimizer, scheduler, disabled, loader_generator,
                                      config.load_config())["scaler"] is None
+
+
+def test_a_checkpoint_from_before_the_tags_were_renamed_reads_as_today():
+    old = [{"lr": 0.1, "throughput/train_samples_per_s": 5.0, "val/acc": 0.9}]
+    assert checkpoint.current_history(old) == [{"train/lr": 0.1, "time/train_samples_per_s": 5.0, "val/acc": 0.9}]

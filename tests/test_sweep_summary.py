@@ -11,7 +11,7 @@ from trainer import config, summary
 
 def epoch(val_acc, epoch_s, samples_per_s):
     return {"train/loss": 0.5, "train/acc": 0.8, "val/loss": 0.4, "val/acc": val_acc, "time/epoch_s": epoch_s,
-            "throughput/train_samples_per_s": samples_per_s, "optim/lr": 0.001}
+            "time/train_samples_per_s": samples_per_s, "train/lr": 0.001}
 
 
 def steps(mean_s, epochs=3, per_epoch=200, seed=0):
@@ -39,7 +39,7 @@ def test_run_summary_holds_final_best_and_means(tmp_path):
     run_summary = summary.write_run_summary(tmp_path, [epoch(0.9, 2.0, 100.0), epoch(0.8, 4.0, 50.0)], 1234)
     assert summary.read_run_summary(tmp_path) == run_summary
     assert run_summary["val/acc"] == 0.8 and run_summary["val/acc_best"] == 0.9 and run_summary["epochs"] == 2
-    assert run_summary["time/epoch_s_mean"] == 3.0 and run_summary["throughput/train_samples_per_s_mean"] == 75.0
+    assert run_summary["time/epoch_s_mean"] == 3.0 and run_summary["time/train_samples_per_s_mean"] == 75.0
     assert run_summary["time/epoch_s_min"] == 2.0
     assert run_summary["num_params"] == 1234 and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
     assert set(summary.OBJECTIVES) <= set(run_summary)

@@ -16,8 +16,8 @@ import train
 from trainer import checkpoint, config, logs, memory, summary
 
 REPO = Path(__file__).resolve().parents[1]
-EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "throughput/train_samples_per_s",
-              "optim/lr"]
+EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "time/train_samples_per_s",
+              "train/lr"]
 EPOCHS = 4
 
 
@@ -55,7 +55,7 @@ def test_tensorboard_holds_every_tag_once_per_epoch(digits_runs, linear):
     epoch_s = [event.value for event in accumulator.Scalars("time/epoch_s")]
     assert all(value > 0 for value in epoch_s)
     assert accumulator.Scalars("time/epoch_s_mean")[0].value == pytest.approx(sum(epoch_s) / EPOCHS, rel=1e-5)
-    lrs = [event.value for event in accumulator.Scalars("optim/lr")]
+    lrs = [event.value for event in accumulator.Scalars("train/lr")]
     assert lrs[0] == pytest.approx(1e-3) and lrs == sorted(lrs, reverse=True)  # cosine decay
     assert not [path for path in run_dir.iterdir() if path.is_dir()]  # hparams live in the run's own folder
 

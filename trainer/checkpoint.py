@@ -24,6 +24,8 @@ LAST_NAME = "last.pt"  # written after every epoch
 BEST_NAME = "best.pt"  # written when val/acc improves
 REQUIRED_KEYS = ("epoch", "global_step", "model", "optimizer", "scheduler", "rng", "config", "best_val_acc",
                  "epoch_times_s", "history")
+# Tags renamed since a checkpoint may have been written, so that its history reads as today's.
+RENAMED_TAGS = {"lr": "train/lr", "throughput/train_samples_per_s": "time/train_samples_per_s"}
 MISMATCHES_SHOWN = 3  # a few mismatched keys name the problem; all of them would bury it
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
@@ -129,6 +131,11 @@ def save_epoch(state, run_dir, is_best):
             temporary.unlink(missing_ok=True)
             os.link(last, temporary)
             os.replace(temporary, best)
+
+
+def current_history(history):
+    """A checkpoint's per-epoch metrics under today's tag names."""
+    return [{RENAMED_TAGS.get(tag, tag): value for tag, value in epoch.items()} for epoch in history]
 
 
 def resume_command(run_dir):

@@ -36,7 +36,7 @@ KERNEL_COMPARISON_MIN_SHARE = 0.5
 # summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises)
 OBJECTIVES = (
     "val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss", "time/epoch_s_mean", "time/epoch_s_min",
-    "throughput/train_samples_per_s_mean",
+    "time/train_samples_per_s_mean",
 )
 # (column, key in summary.json or job row, format for summary.md)
 JOB_COLUMNS = (
@@ -47,7 +47,7 @@ JOB_COLUMNS = (
     ("val_acc_best", "val/acc_best", "{:.2%}"),
     ("epoch_s_mean", "time/epoch_s_mean", "{:.3f}"),
     ("epoch_s_min", "time/epoch_s_min", "{:.3f}"),
-    ("train_samples_per_s", "throughput/train_samples_per_s_mean", "{:,.0f}"),
+    ("train_samples_per_s", "time/train_samples_per_s_mean", "{:,.0f}"),
     ("num_params", "num_params", "{:,}"),
 )
 
@@ -76,8 +76,8 @@ def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_fl
         "val/acc_best": max(epoch["val/acc"] for epoch in history),
         "time/epoch_s_mean": sum(epoch["time/epoch_s"] for epoch in history) / len(history),
         "time/epoch_s_min": min(epoch["time/epoch_s"] for epoch in history),
-        "throughput/train_samples_per_s_mean": (
-            sum(epoch["throughput/train_samples_per_s"] for epoch in history) / len(history)
+        "time/train_samples_per_s_mean": (
+            sum(epoch["time/train_samples_per_s"] for epoch in history) / len(history)
         ),
         "num_params": num_params,
         "epochs": len(history),
