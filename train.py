@@ -33,7 +33,7 @@ from trainer.build import (StepSettings, build_training, linear_flop_share, make
                            make_model, pick_device, read_dataset, step_settings, threads_per_process,
                            training_module)
 from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, check_command_line, fail, resume_arguments, validate
+from trainer.config import ConfigError, check_command_line, fail, overridden_keys, resume_arguments, validate
 from trainer.distributed import (join_process_group, step_batch_size, summed_over_processes,
                                  torchrun_arguments, world)
 from trainer.logs import (describe, describe_data, file_log, log, logging_to, reporting_interrupts,
@@ -99,10 +99,9 @@ def resumed_run(cfg):
     """(config, run folder) for trainer.resume: the checkpoint's config with the command line's allowed
     overrides (checkpoint.RESUME_OVERRIDES), and the folder the checkpoint is in."""
     path = checkpoint.find(cfg.trainer.resume)
-    overridden = [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
     saved = checkpoint.load(path)["config"]
     try:
-        cfg = checkpoint.resumed_config(saved, cfg, overridden)
+        cfg = checkpoint.resumed_config(saved, cfg, overridden_keys())
     except CheckpointError as error:  # a setting the command line may not change: a bad setting, exit code 2
         raise ConfigError(str(error)) from error
     validate(cfg)
@@ -221,7 +220,7 @@ def fit(cfg, run_dir):
                  f"{description}")
         if is_main:
             write_scalars(writer, {"time/epoch_s_mean": epoch_s_mean}, cfg.trainer.epochs)
-            write_hparams(writer, cfg, device, num_params, flop_share)
+            write_hparams(writer, cfg, device, num_params, flop_share, overridden_keys())
             summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share)
     return val_acc
 

@@ -71,8 +71,18 @@ def test_hparams_dashboard_has_the_runs_choices_and_final_metrics(digits_runs):
         "model": "mlp", "linear": "custom", "data": "digits", "optimizer": "AdamW", "scheduler": "CosineAnnealingLR"
     }
     assert hparams["lr"] == 1e-3 and hparams["batch_size"] == 64 and hparams["epochs"] == EPOCHS
-    assert hparams["num_params"] == expected_params and hparams["model.hidden_sizes"] == "[256, 256]"
-    assert hparams["linear_flop_share"] == 1.0  # an MLP's work is all in its linear layers
+    assert hparams["num_params"] == expected_params and hparams["linear_flop_share"] == 1.0  # all in its linears
+    assert "model.hidden_sizes" not in hparams  # no command line set it: the same in every run, no column
+
+
+def test_hparams_add_what_the_command_line_set_readably():
+    cfg = config.load_config(["model.hidden_sizes=[64,32]", "linear.fuse_relu=false", "optim=sgd"])
+    hparams = logs.hparams_of(cfg, torch.device("cpu"), 1000, 1.0,
+                              ["model.hidden_sizes", "linear.fuse_relu", "optim", "trainer.epochs"])
+    assert hparams["model.hidden_sizes"] == "[64, 32]" and hparams["linear.fuse_relu"] == "false"
+    assert hparams["optimizer"] == "SGD" and "optim" not in hparams  # a group's choice is in the headline
+    assert "trainer.epochs" not in hparams and hparams["epochs"] == 20  # already a headline column
+    assert "data.root" not in hparams  # settings nobody set stay out of the table
 
 
 def test_run_summary_keeps_every_step_time_and_the_flop_share(digits_runs):

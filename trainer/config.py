@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import get_object
@@ -280,6 +281,13 @@ def check_targets_take_their_settings(cfg):
                             if parameter.default is not inspect.Parameter.empty]
                 raise ConfigError(f"{group}.{key} is not a setting of {node._target_}: it takes "
                                   f"{', '.join(settings)}")
+
+
+def overridden_keys():
+    """The dotted keys this job's command line set (trainer.epochs, model, ...); none outside Hydra."""
+    if not HydraConfig.initialized():
+        return []
+    return [override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task]
 
 
 def hydra_quoted(path):

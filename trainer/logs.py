@@ -5,7 +5,7 @@ import sys
 from contextlib import contextmanager
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
@@ -48,9 +48,11 @@ def describe_data(name, dataset):
             f"{shape}, {dataset.num_classes} classes")
 
 
-def hparams_of(cfg, device, num_params, flop_share=None):
-    """The run's settings for TensorBoard's HParams dashboard: the headline choices first, then every
-    other setting under its dotted key (lists as text)."""
+def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
+    """The run's settings for TensorBoard's HParams dashboard: the headline choices, then each setting the
+    command line set (`overridden`, dotted keys: what a sweep varies). Every other setting is the same in
+    every run of a sweep, and as columns would push the metrics off-screen. Booleans show as true/false
+    (as numbers TensorBoard shows 0.0000), lists as text."""
     headline = {
         "model": cfg.model.name,
         "linear": cfg.linear.name,
@@ -68,18 +70,15 @@ def hparams_of(cfg, device, num_params, flop_share=None):
         headline["linear_flop_share"] = flop_share
     in_headline = {"model.name", "linear.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
                    "seed", "trainer.device"}
-    others = {}
-
-    def walk(node, prefix):
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                walk(value, f"{name}.")
-            elif key != "_target_" and name not in in_headline:
-                others[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
-
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
-    return headline | others
+    chosen = {}
+    for key in overridden:
+        value = OmegaConf.select(cfg, key, default=None)
+        if key in in_headline or isinstance(value, DictConfig) or value is None:  # a group's choice: in the headline
+            continue
+        if isinstance(value, ListConfig):
+            value = str(OmegaConf.to_container(value))
+        chosen[key] = str(value).lower() if isinstance(value, bool) else value
+    return headline | chosen
 
 
 # TensorBoard's Custom Scalars dashboard: the headline curves of every run shown, one chart each.
@@ -103,11 +102,11 @@ def write_scalars(writer, scalars, step):
     writer.flush()
 
 
-def write_hparams(writer, cfg, device, num_params, flop_share=None):
+def write_hparams(writer, cfg, device, num_params, flop_share=None, overridden=()):
     """The run's settings to the HParams dashboard. Only the session's hparams, no per-run "experiment":
     TensorBoard then builds the table from every run's hparams (runs of different models have different
     keys) and shows each scalar tag's last value as a metric column: final val/acc, time/epoch_s_mean, ..."""
-    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params, flop_share), {})
+    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params, flop_share, overridden), {})
     writer.file_writer.add_summary(session_start)
     writer.file_writer.add_summary(session_end)
 
