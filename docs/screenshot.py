@@ -2,6 +2,7 @@
 
     python docs/screenshot.py                      # trains both runs (digits, ~1 min) into a temporary folder
     python docs/screenshot.py --logdir outputs     # or shows runs you already have
+    python docs/screenshot.py --all                # also Scalars, Custom Scalars and HParams, as a user sees them
 
 Needs Chromium (Debian: `apt-get install chromium`) and Playwright (`pip install -r docs/requirements.txt`),
 which drives it: it waits until the charts are drawn, where Chromium's own --screenshot often caught the page
@@ -18,12 +19,17 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PICTURE = REPO / "docs" / "tensorboard.png"
 # Chromium as root, offline: no sandbox, and none of the background connections a closed network refuses.
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-# What the picture shows: the validation curves and the epoch times of both runs, unsmoothed.
-VIEW = "?tagFilter=val%2F%7Ctime%2F&smoothing=0#timeseries"
+# Each picture: the dashboard's address, and a text on it that says its data has arrived. The README's shows
+# the validation curves and the epoch times of both runs, unsmoothed.
+VIEWS = {
+    "tensorboard.png": ("?tagFilter=val%2F%7Ctime%2F&smoothing=0#timeseries", "text=val/acc"),
+    "tensorboard_scalars.png": ("#scalars", "text=time"),
+    "tensorboard_custom_scalars.png": ("#custom_scalars", "text=torch vs custom"),
+    "tensorboard_hparams.png": ("#hparams", "text=Trial ID"),
+}
 
 
 def free_port():
@@ -33,8 +39,8 @@ def free_port():
 
 
 def train_both(folder):
-    """The README's comparison, `python train.py -m linear=torch,custom`, run in `folder`: its runs are in
-    `folder`/outputs, named as a user's are."""
+    """The README's comparison, `python train.py -m linear=torch,custom`, run in `folder`: its sweep is in
+    `folder`/outputs/multirun/<date>/<time>, its runs named as a user's are."""
     subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "linear=torch,custom"], cwd=folder, check=True)
 
 
@@ -50,18 +56,24 @@ def wait_for(url, timeout_s=60):
             time.sleep(0.5)
 
 
-def take_picture(chromium, url, size, out):
+def take_pictures(chromium, url, size, pictures):
+    """Each of `pictures` ({file: (address, text to wait for)}) of the TensorBoard at `url`."""
     from playwright.sync_api import sync_playwright  # only this script needs it
 
     width, height = (int(pixels) for pixels in size.split(","))
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
-        page = browser.new_page(viewport={"width": width, "height": height})
-        page.goto(url, wait_until="networkidle")
-        page.wait_for_selector("text=val/acc")
-        page.get_by_label("Close side pane").click()  # the settings pane would take a fifth of the width
-        page.wait_for_timeout(3000)  # the charts draw after their data arrives
-        page.screenshot(path=out)
+        for out, (address, ready) in pictures.items():
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(url + address, wait_until="networkidle")
+            page.wait_for_selector(ready)
+            close = page.get_by_label("Close side pane")
+            if close.count():
+                close.click()  # the settings pane would take a fifth of the width
+            page.wait_for_timeout(3000)  # the charts draw after their data arrives
+            page.screenshot(path=out)
+            page.close()
+            print(f"wrote {out}")
         browser.close()
 
 
@@ -69,7 +81,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", type=Path, help="runs to show (default: train both linears now)")
     parser.add_argument("--size", default="1600,1000", help="window width,height in pixels")
-    parser.add_argument("--out", type=Path, default=PICTURE)
+    parser.add_argument("--all", action="store_true", help="every dashboard, not only the README's picture")
     args = parser.parse_args()
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if not chromium:
@@ -78,7 +90,7 @@ def main():
         logdir = args.logdir
         if logdir is None:
             train_both(scratch)
-            logdir = Path(scratch) / "outputs"
+            (logdir,) = Path(scratch, "outputs", "multirun").glob("*/*")  # one sweep: its runs' names stay short
         port = free_port()
         board = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
                                   "--host", "127.0.0.1", "--port", str(port)],
@@ -86,11 +98,11 @@ def main():
         try:
             url = f"http://127.0.0.1:{port}/"
             wait_for(url)
-            take_picture(chromium, url + VIEW, args.size, args.out)
+            names = list(VIEWS) if args.all else ["tensorboard.png"]
+            take_pictures(chromium, url, args.size, {REPO / "docs" / name: VIEWS[name] for name in names})
         finally:
             board.terminate()
             board.wait()
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import random
 
 import pytest
 from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import config, summary
 
@@ -83,6 +84,20 @@ def test_sweep_summary_has_a_row_per_job_and_compares_linear_pairs(tmp_path):
     assert "not a disturbance that lasts a whole job" in markdown and "bench.train" in markdown
     assert markdown.count("_job |") == 7 and "7 jobs, 2 failed" in markdown
     assert "| 5_job | `optim.lr=9` | loss became nan in epoch 1 |" in markdown.split("## Failed jobs")[1]
+
+
+def test_the_sweep_folder_gets_each_pairs_speedup_curve_for_tensorboard(tmp_path):
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.9, 4.0, 10.0)] * 3, step_times_s=steps(0.02, seed=6))
+    make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.9, 2.0, 20.0)] * 3, step_times_s=steps(0.01, seed=7))
+    for _ in range(2):  # rewriting the summary rewrites the curve, not a second copy of it
+        summary.summarize_sweep(tmp_path)
+    (run,) = (tmp_path / "speedup").iterdir()
+    assert run.name == "1_job"
+    accumulator = EventAccumulator(str(run))
+    accumulator.Reload()
+    value, low, high = ([event.value for event in accumulator.Scalars(tag)] for tag in summary.SPEEDUP_TAGS)
+    assert [event.step for event in accumulator.Scalars("time/step_speedup")] == [1, 2, 3]
+    assert all(lo < v < hi for v, lo, hi in zip(value, low, high)) and all(1.9 < v < 2.1 for v in value)
 
 
 def test_a_short_comparison_says_so_and_a_small_flop_share_says_what_it_measured(tmp_path):

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 import train
-from trainer import config
+from trainer import config, summary
 
 
 def free_port():
@@ -76,5 +76,8 @@ def test_custom_scalars_lay_out_the_comparison(board):
     layout = ask(f"{board}/data/plugin/custom_scalars/layout")
     (category,) = layout["category"]
     assert category["title"] == "torch vs custom"
-    charts = {chart["title"]: chart["multiline"]["tag"] for chart in category["chart"]}
-    assert charts == {"val/acc": ["^val/acc$"], "train/loss": ["^train/loss$"], "time/epoch_s": ["^time/epoch_s$"]}
+    charts = {chart["title"]: chart.get("multiline", chart.get("margin")) for chart in category["chart"]}
+    assert {title: chart["tag"] for title, chart in charts.items() if "tag" in chart} == {
+        "val/acc": ["^val/acc$"], "train/loss": ["^train/loss$"], "time/epoch_s": ["^time/epoch_s$"]}
+    margin = charts["custom's speedup over torch (95% interval)"]["series"][0]
+    assert (margin["value"], margin["lower"], margin["upper"]) == summary.SPEEDUP_TAGS

@@ -81,9 +81,11 @@ def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
     return headline | chosen
 
 
-# TensorBoard's Custom Scalars dashboard: the headline curves of every run shown, one chart each.
+# TensorBoard's Custom Scalars dashboard: the headline curves of every run shown, one chart each, and a
+# sweep's speedup of custom over torch with its interval, epoch by epoch (trainer/summary.py writes it).
 COMPARISON_LAYOUT = {"torch vs custom": {
-    tag: ["Multiline", [f"^{tag}$"]] for tag in ("val/acc", "train/loss", "time/epoch_s")
+    **{tag: ["Multiline", [f"^{tag}$"]] for tag in ("val/acc", "train/loss", "time/epoch_s")},
+    "custom's speedup over torch (95% interval)": ["Margin", list(summary.SPEEDUP_TAGS)],
 }}
 
 

@@ -18,11 +18,13 @@ import csv
 import io
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
+from torch.utils.tensorboard import SummaryWriter
 
 from trainer import timing
 
@@ -31,6 +33,8 @@ JOB_FAILURE_NAME = "failed.txt"
 CSV_NAME = "summary.csv"
 MARKDOWN_NAME = "summary.md"
 STEP_TIMES_KEY = "time/step_s"  # each epoch's list of step times
+SPEEDUP_RUNS = "speedup"  # the sweep folder's TensorBoard runs of custom's speedup over torch, one per pair
+SPEEDUP_TAGS = ("time/step_speedup", "time/step_speedup_low", "time/step_speedup_high")  # value, 95% interval
 # Below this share of the FLOPs in the linear layers, a custom/torch ratio mostly times the rest of the network.
 KERNEL_COMPARISON_MIN_SHARE = 0.5
 # summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises)
@@ -260,7 +264,24 @@ def summarize_sweep(sweep_dir, rows=None):
     markdown = to_markdown(sweep_dir, rows, pairs)
     write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, pairs))
     write_text_atomic(Path(sweep_dir) / MARKDOWN_NAME, markdown)
+    write_speedup_curves(sweep_dir, pairs)
     return markdown
+
+
+def write_speedup_curves(sweep_dir, pairs):
+    """For TensorBoard: each pair's speedup of custom over torch, epoch by epoch with its 95% interval, as a
+    run of its own, speedup/<custom job> in the sweep folder (rewritten whole each time)."""
+    folder = Path(sweep_dir) / SPEEDUP_RUNS
+    shutil.rmtree(folder, ignore_errors=True)
+    for torch_row, custom_row in pairs:
+        if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
+            continue
+        with SummaryWriter(folder / custom_row["job"]) as writer:
+            epochs = zip(torch_row[STEP_TIMES_KEY], custom_row[STEP_TIMES_KEY])
+            for epoch, (torch_steps, custom_steps) in enumerate(epochs, 1):
+                ratio = timing.speedup(torch_steps, custom_steps, sequential=True)
+                for tag, value in zip(SPEEDUP_TAGS, (ratio.value, ratio.low, ratio.high)):
+                    writer.add_scalar(tag, value, epoch)
 
 
 def main(argv=None):
