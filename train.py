@@ -133,7 +133,7 @@ def fit(cfg, run_dir):
         )
     with (
         logging_to(run_dir / "train.log") if is_main else nullcontext(),
-        reporting_interrupts(run_dir),
+        reporting_interrupts(run_dir) if is_main else nullcontext(),
         ExitStack() as closing,
     ):
         log.info(f"loading {cfg.data.name} ...")
@@ -153,6 +153,7 @@ def fit(cfg, run_dir):
         file_log.info(f"malloc: {memory.set_up()}")  # steps stop faulting their tensors in again
 
         show_progress = is_main and sys.stderr.isatty()  # bars on a terminal; only the epoch lines in logs and CI
+        overridden = overridden_keys()  # the settings this run's command line set: HParams columns
         epoch_times_s = []
         step_times_s = []  # each epoch's list of step times, for the interval around a speed ratio
         history = []  # each epoch's metrics, for summary.json
@@ -164,6 +165,7 @@ def fit(cfg, run_dir):
             global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
             epoch_times_s, history = resumed["epoch_times_s"], checkpoint.current_history(resumed["history"])
             step_times_s = resumed.get("step_times_s", [])  # checkpoints written before step times: none
+            overridden = resumed.get("overridden", overridden)  # the run's own command line, not the resume's
             log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
         for epoch in range(first_epoch, cfg.trainer.epochs + 1):
             lr = optimizer.param_groups[0]["lr"]
@@ -210,6 +212,7 @@ def fit(cfg, run_dir):
             state = checkpoint.training_state(
                 epoch, global_step, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader), cfg,
                 best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, step_times_s=step_times_s, history=history,
+                overridden=overridden,
             )
             if is_main:
                 checkpoint.save_epoch(state, run_dir, is_best)
@@ -220,7 +223,7 @@ def fit(cfg, run_dir):
                  f"{description}")
         if is_main:
             write_scalars(writer, {"time/epoch_s_mean": epoch_s_mean}, cfg.trainer.epochs)
-            write_hparams(writer, cfg, device, num_params, flop_share, overridden_keys())
+            write_hparams(writer, cfg, device, num_params, flop_share, overridden)
             summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share)
     return val_acc
 

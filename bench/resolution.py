@@ -1,13 +1,14 @@
 """How much timed work a custom/torch ratio needs on this machine: identical runs compared with each other.
 
-    python -m bench.resolution                          # 4 sizes x 3 pairs, about 4 minutes on 2 cores
+    python -m bench.resolution                          # 4 sizes x 3 pairs, about 8 minutes on 2 cores
     python -m bench.resolution --sizes 1280,20480 --pairs 5 --markdown bench_resolution.md
 
 Each pair is two identical training runs (linear=torch both, the MLP on fake MNIST-size data), one after the
 other in their own processes, as a sweep runs its jobs. Their true speed ratio is 1, so every departure from
 1, and every interval that leaves 1 out, is the machine's noise. trainer/timing.py's MIN_TIMED_S, below which
-a comparison reads "too short to time", is chosen from this table: the least timed work at which no pair
-strayed by more than MAX_ERROR and no pair's interval left 1 out.
+a comparison reads "too short to time", is chosen from this table (below it most pairs strayed by more than
+MAX_ERROR, with intervals that left 1 out), and so is SEQUENTIAL_NOISE (how far pairs with more work still
+strayed: whole runs slowed, which no interval over one run's steps can see).
 """
 import argparse
 import subprocess

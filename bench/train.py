@@ -66,8 +66,9 @@ def main(argv=None):
         config.check_command_line(side_overrides)  # a bad override ends in one line, as with train.py
     configs = {side: config.load_config(side_overrides) for side, side_overrides in overrides.items()}
     device = build.pick_device(configs["torch"].trainer.device)
-    print(f"loading fake data: {args.train_size:,} x 1x28x28 ...", flush=True)
+    print(f"loading fake data: {args.train_size:,} images ...", flush=True)
     dataset = data.load_data(**build.dataset_options(configs["torch"].data))
+    image_shape = "x".join(str(size) for size in dataset.image_shape)
     runs = {}
     for side, cfg in configs.items():
         # the trainer's own code paths: channels_last, torch.compile, DDP wrapping and the AMP settings
@@ -94,7 +95,7 @@ def main(argv=None):
     model_cfg = configs["torch"].model
     model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
     switches = " ".join(override for override in args.overrides if override.startswith("trainer."))
-    setup = (f"model={model_text}, {args.train_size:,} x 1x28x28, batch {args.batch_size}, {device}, "
+    setup = (f"model={model_text}, {args.train_size:,} x {image_shape}, batch {args.batch_size}, {device}, "
              f"{logs.counted(args.threads, 'thread')}, {logs.counted(args.epochs, 'timed epoch')} each"
              f"{', ' + switches if switches else ''}; malloc: {malloc}")
     print(f"\n{describe_cpu()}\n{setup}")

@@ -187,6 +187,18 @@ def test_the_linear_layers_share_of_the_flops_says_what_a_swap_covers():
     assert torch.equal(torch.get_rng_state(), before)  # counting draws no random numbers: seeds stay as they were
 
 
+def test_a_network_that_cannot_run_on_the_meta_device_has_no_flop_share_and_still_trains(monkeypatch):
+    cfg = config.load_config([])
+    dataset = build.read_dataset(cfg.data)
+
+    class ReadsItsData(torch.nn.Module):
+        def forward(self, images):
+            return images.sum().item()  # no value on the meta device
+
+    monkeypatch.setattr(build, "network", lambda cfg, dataset: ReadsItsData())
+    assert build.linear_flop_share(cfg, dataset) is None
+
+
 def test_choices_are_named_in_their_natural_order():
     assert config.natural_order(["resnet152", "resnet18", "mlp", "resnet101", "resnet50", "resnet34"]) == [
         "mlp", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]

@@ -168,8 +168,10 @@ def test_single_run_folder_is_dated_and_named_after_its_choices(tmp_path):
 def test_multirun_writes_one_folder_per_job(tmp_path):
     run_train(["-m", "linear=torch,custom", "trainer.epochs=1"], cwd=tmp_path)
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
-    job_dirs = sorted(path.name for path in sweep_dir.iterdir() if path.is_dir())
-    assert job_dirs == ["0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
+    folders = sorted(path.name for path in sweep_dir.iterdir() if path.is_dir())
+    job_dirs = ["0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
+    assert folders == [*job_dirs, "speedup"]  # and the pair's speedup curve, a TensorBoard run of its own
+    assert [path.name for path in (sweep_dir / "speedup").iterdir()] == [job_dirs[1]]
     for name in job_dirs:
         assert events(sweep_dir / name).Scalars("val/acc")[0].step == 1
 

@@ -277,9 +277,14 @@ def write_speedup_curves(sweep_dir, pairs):
         if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
             continue
         with SummaryWriter(folder / custom_row["job"]) as writer:
-            epochs = zip(torch_row[STEP_TIMES_KEY], custom_row[STEP_TIMES_KEY])
-            for epoch, (torch_steps, custom_steps) in enumerate(epochs, 1):
+            # the last epochs of both, numbered as the runs number them (a run resumed from a checkpoint
+            # written before step times were recorded has step times for its later epochs only)
+            count = min(len(torch_row[STEP_TIMES_KEY]), len(custom_row[STEP_TIMES_KEY]))
+            epochs = zip(torch_row[STEP_TIMES_KEY][-count:], custom_row[STEP_TIMES_KEY][-count:])
+            for epoch, (torch_steps, custom_steps) in enumerate(epochs, custom_row["epochs"] - count + 1):
                 ratio = timing.speedup(torch_steps, custom_steps, sequential=True)
+                if ratio is None:
+                    continue
                 for tag, value in zip(SPEEDUP_TAGS, (ratio.value, ratio.low, ratio.high)):
                     writer.add_scalar(tag, value, epoch)
 

@@ -18,7 +18,6 @@ on an AMD EPYC (Zen 3, 2 vCPUs, shared); bench/README.md has the table:
   that left 1 out; with 1.3 s, none of 3 did.
 - SEQUENTIAL_NOISE: with 1.3-2.9 s, identical pairs still read 0.80-1.07: a whole job ran slower.
 """
-import math
 import time
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import torch
 
 CONFIDENCE = 0.95
 BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_CHUNK = 200
 MIN_TIMED_S = 1.0  # less timed work per side: "too short to time"
 SEQUENTIAL_NOISE = 1.25  # identical runs one after the other read up to this far apart (either way)
 
@@ -39,20 +39,20 @@ class StepClock:
     """
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        self.device = device
         self.marks = []
 
     def mark(self):
-        if self.cuda:
+        if self.device.type == "cuda":  # on the device's own stream: it need not be the current device
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self.marks.append(event)
         else:
             self.marks.append(time.perf_counter())
 
     def durations_s(self):
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             return [start.elapsed_time(end) / 1000 for start, end in zip(self.marks, self.marks[1:])]
         return [end - start for start, end in zip(self.marks, self.marks[1:])]
 
@@ -65,14 +65,20 @@ def timed_steps(step_times_s):
 
 
 def bootstrap_means(steps, rng, samples=BOOTSTRAP_SAMPLES):
-    """Means of `samples` moving-block resamples of `steps` (blocks of about n^(1/3) consecutive steps)."""
+    """Means of `samples` moving-block resamples of `steps`: each draws n/L blocks of L (about n^(1/3))
+    consecutive steps. Block sums come from a prefix sum, and resamples are drawn a chunk at a time: a
+    million steps take tens of megabytes and about a second."""
     steps = np.asarray(steps, dtype=np.float64)
     n = len(steps)
     block = max(1, round(n ** (1 / 3)))
-    blocks_per_sample = math.ceil(n / block)
-    starts = rng.integers(0, n - block + 1, size=(samples, blocks_per_sample))
-    index = (starts[:, :, None] + np.arange(block)).reshape(samples, -1)[:, :n]
-    return steps[index].mean(axis=1)
+    blocks_per_sample = max(1, n // block)
+    prefix = np.concatenate([[0.0], np.cumsum(steps)])
+    block_sums = prefix[block:] - prefix[:-block]  # the sum of the block starting at each step
+    means = []
+    for chunk in range(0, samples, BOOTSTRAP_CHUNK):  # a chunk of resamples at a time bounds the memory
+        starts = rng.integers(0, n - block + 1, size=(min(BOOTSTRAP_CHUNK, samples - chunk), blocks_per_sample))
+        means.append(block_sums[starts].sum(axis=1) / (blocks_per_sample * block))
+    return np.concatenate(means)
 
 
 def percentiles(values):
