@@ -8,7 +8,8 @@
 Each run writes into its own folder: .hydra/ (config), train.log, TensorBoard events, last.pt, best.pt and
 summary.json. This file is the run in the order it happens: main -> fit -> train_one_epoch -> evaluate.
 The parts it is built from live in trainer/: config (loading and checking), build (device, data, model,
-optimizer, switches), distributed (torchrun), checkpoint, logs (train.log, HParams), summary, memory.
+optimizer, switches), distributed (torchrun), checkpoint, logs (train.log, TensorBoard), summary, timing
+(step times, speed ratios), memory.
 """
 import math
 import os

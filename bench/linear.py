@@ -44,7 +44,7 @@ _cpp_extension_log.setLevel(_level)
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
-from bench.machine import describe_cpu  # noqa: E402
+from bench.machine import command_line, describe_cpu  # noqa: E402
 from trainer import memory  # noqa: E402
 
 MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
@@ -303,12 +303,11 @@ def main(argv=None) -> None:
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
 
-    command = "python -m bench.linear " + " ".join(argv if argv is not None else sys.argv[1:])
     header = (f"{describe_cpu()}; torch {torch.__version__}, CPU path {torch.ops.ext.cpu_path()}, "
               f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
               f"malloc: {malloc}")
     print(header)
-    markdown = [f"`{command.strip()}`", "", header, ""]
+    markdown = [command_line("python -m bench.linear", argv), "", header, ""]
 
     for count in args.threads:
         torch.set_num_threads(count)

@@ -2,6 +2,7 @@
 name its CPU cannot be compared with another (this project's CPU has changed under it several times)."""
 import os
 import platform
+import sys
 from pathlib import Path
 
 ZEN4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))  # family 25's other models are Zen 3
@@ -41,6 +42,12 @@ def amd_core(family: int, model: int) -> str | None:
     if family == 25:
         return "Zen 4" if any(model in models for models in ZEN4_MODELS) else "Zen 3"
     return "Zen 5" if family == 26 else None
+
+
+def command_line(prog: str, argv=None) -> str:
+    """The command that reproduces a benchmark's figures, as its markdown shows it: '`python -m bench.x --y`'."""
+    arguments = argv if argv is not None else sys.argv[1:]
+    return f"`{' '.join([prog, *arguments])}`"
 
 
 def describe_cpu() -> str:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import describe_cpu
+from bench.machine import command_line, describe_cpu
 from trainer import summary, timing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +54,7 @@ def main(argv=None):
                 rows.append(f"| {size:,} | {pair + 1} | {ratio.timed_s:.2f} | {ratio.value:.3f} | "
                             f"{ratio.interval_text()} | {'yes' if strayed else 'no'} | {'yes' if excludes_one else 'no'} |")
                 print(rows[-1], flush=True)
-    command = "python -m bench.resolution " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"`{command.strip()}`", "", describe_cpu(), "",
+    lines = [command_line("python -m bench.resolution", argv), "", describe_cpu(), "",
              f"MLP 784-256-256-10, batch 128, {args.threads} threads, {EPOCHS} epochs a run (the first not timed)", "",
              "| images | pair | timed s per run | ratio | 95% interval | off by more than 5% | interval leaves 1 out |",
              "|---|---|---|---|---|---|---|", *rows, ""]

@@ -14,12 +14,11 @@ speedup is the ratio of mean step times, with a bootstrap interval over the step
 """
 import argparse
 import statistics
-import sys
 
 import torch
 
 import data
-from bench.machine import describe_cpu
+from bench.machine import command_line, describe_cpu
 import train
 from trainer import build, config, logs, memory, timing
 
@@ -99,21 +98,19 @@ def main(argv=None):
              f"{logs.counted(args.threads, 'thread')}, {logs.counted(args.epochs, 'timed epoch')} each"
              f"{', ' + switches if switches else ''}; malloc: {malloc}")
     print(f"\n{describe_cpu()}\n{setup}")
-    means_s = {side: statistics.mean(times) for side, times in epoch_times_s.items()}
     rows = []
-    for side in sides:
-        rows.append(f"| {side} | {means_s[side]:.3f} | {statistics.median(epoch_times_s[side]):.3f} | "
-                    f"{min(epoch_times_s[side]):.3f} | {args.train_size / means_s[side]:,.0f} |")
-        print(f"{side:<14} mean epoch {means_s[side]:.3f} s  median {statistics.median(epoch_times_s[side]):.3f} s  "
-              f"min {min(epoch_times_s[side]):.3f} s  {args.train_size / means_s[side]:,.0f} samples/s")
+    for side, times in epoch_times_s.items():
+        mean, median, fastest = statistics.mean(times), statistics.median(times), min(times)
+        rows.append(f"| {side} | {mean:.3f} | {median:.3f} | {fastest:.3f} | {args.train_size / mean:,.0f} |")
+        print(f"{side:<14} mean epoch {mean:.3f} s  median {median:.3f} s  min {fastest:.3f} s  "
+              f"{args.train_size / mean:,.0f} samples/s")
     # Every step's time from the interleaved epochs: a block bootstrap gives the ratio's interval (trainer/timing.py).
     ratios = {other: timing.speedup(step_times_s[other], step_times_s["custom"])
               for other in sides if other != "custom"}
     ratio_lines = [f"custom's speedup over {other} (mean step time ratio): {ratio}" for other, ratio in ratios.items()]
     print("\n".join(ratio_lines))
     if args.markdown:
-        command = "python -m bench.train " + " ".join(argv if argv is not None else sys.argv[1:])
-        lines = [f"`{command.strip()}`", "", describe_cpu(), "", setup, "",
+        lines = [command_line("python -m bench.train", argv), "", describe_cpu(), "", setup, "",
                  "| side | mean epoch (s) | median (s) | fastest (s) | samples/s |", "|---|---|---|---|---|",
                  *rows, "", *[f"- {line}" for line in ratio_lines], ""]
         with open(args.markdown, "w") as file:
