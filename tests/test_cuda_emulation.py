@@ -8,6 +8,7 @@ Inputs are multiples of 1/4 in [-2, 2]: every product and sum is exact in float3
 result must equal PyTorch's float64 result rounded to the dtype, bit for bit. That checks
 the indexing exactly, and the rounding of float16/bfloat16 stores too.
 """
+import math
 import platform
 import subprocess
 import sys
@@ -28,7 +29,8 @@ OPS = [*GEMM_OPS, "backward_bias"]
 BARRIER_TIMEOUT_EXIT = 86  # emu::kBarrierTimeoutExit in cuda_emu.h
 TSAN_RACE_EXIT = 66  # ThreadSanitizer's exit code when it reported something
 
-# (M, N, K): degenerate, prime, and just off every tile edge (block tile 128 x 128 x 8).
+# (M, N, K): degenerate, prime, and just off every tile edge (block tile 128 x 128 x 8; a test
+# below checks these against the sizes the compiled kernels report).
 SHAPES = [
     (1, 1, 1),
     (37, 61, 45),
@@ -254,3 +256,149 @@ def test_barrier_not_reached_by_every_thread_times_out_with_an_error(tmp_path):
     result, _, _ = run_case(tmp_path, "linear", "float32", (5, 9, 20), variant="break_barrier", env=env)
     assert result.returncode == BARRIER_TIMEOUT_EXIT
     assert "__syncthreads() timed out after 1 s in block (0,0,0): 255 of 256 threads arrived" in result.stderr
+
+
+# ---- precision: random inputs and long reductions, so the accumulator's type shows ----
+#
+# The tests above use exact inputs: they pin the indexing, not the arithmetic. Here the inputs
+# are random, the reductions thousands long, and each result is held to the error that its
+# accumulator allows. A float64 kernel that accumulated in float32, or a 16-bit kernel that
+# accumulated in its own type, fails by orders of magnitude.
+
+REDUCTION = 3001  # long, odd, and not a multiple of the K tile: the last tile is partial
+# Each op's (M, N, K) with the reduced dimension long: linear and linear_relu reduce K,
+# backward_input N, backward_weight and backward_bias M.
+LONG_REDUCTIONS = {"linear": (3, 5, REDUCTION), "linear_relu": (3, 5, REDUCTION),
+                   "backward_input": (3, REDUCTION, 5), "backward_weight": (REDUCTION, 3, 5),
+                   "backward_bias": (REDUCTION, 5, 1)}
+# The probabilistic bound on a sum of n rounded terms (Higham and Mary, SIAM J. Sci. Comput.
+# 41(5), 2019): |error| <= LAMBDA * sqrt(n) * u * sum(|a_i b_i|) with probability at least
+# 1 - 2n exp(-LAMBDA^2 / 2); for LAMBDA = 8 and n = 3001 that is 1 - 8e-11. The worst-case
+# bound n * u is 55 times looser here, loose enough to let a float16 accumulator pass.
+LAMBDA = 8.0
+
+
+def unit_roundoff(dtype):
+    return torch.finfo(dtype).eps / 2
+
+
+def accumulator_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32  # the README's promise
+
+
+def random_values(*shape, dtype, generator):
+    """Normal values, representable in dtype, whose pairwise products are exact in float64
+    (float64 values are cut to 26 significant bits), so the reference below is exact."""
+    values = torch.randn(shape, generator=generator, dtype=torch.float64)
+    if dtype == torch.float64:
+        return torch.round(values * 2**24) / 2**24
+    return values.to(dtype).double()
+
+
+def random_case(op, dtype, seed=0):
+    """The op's random inputs, and the product A·B (+ bias) it computes, as (A, B, bias):
+    every result is a dot product of a row of A with a column of B."""
+    M, N, K = LONG_REDUCTIONS[op]
+    g = torch.Generator().manual_seed(seed)
+    if op in ("linear", "linear_relu"):
+        x, w, b = (random_values(*s, dtype=dtype, generator=g) for s in ((M, K), (N, K), (N,)))
+        return {"x": x, "w": w, "bias": b}, (x, w.t(), b)
+    dy = random_values(M, N, dtype=dtype, generator=g)
+    if op == "backward_input":
+        w = random_values(N, K, dtype=dtype, generator=g)
+        return {"dy": dy, "w": w}, (dy, w, None)
+    if op == "backward_weight":
+        x = random_values(M, K, dtype=dtype, generator=g)
+        return {"dy": dy, "x": x}, (dy.t(), x, None)
+    return {"dy": dy}, (torch.ones(1, M, dtype=torch.float64), dy, None)
+
+
+def exact_product(a, b, bias):
+    """A·B + bias rounded once to float64 (math.fsum of exact products), and the magnitude
+    sum |a_i b_i| + |bias| that rounding errors scale with."""
+    rows, cols = a.shape[0], b.shape[1]
+    exact = torch.empty(rows, cols, dtype=torch.float64)
+    for i in range(rows):
+        for j in range(cols):
+            terms = (a[i] * b[:, j]).tolist() + ([bias[j].item()] if bias is not None else [])
+            exact[i, j] = math.fsum(terms)
+    magnitude = a.abs() @ b.abs() + (bias.abs() if bias is not None else 0)
+    return exact, magnitude
+
+
+def run_random_case(tmp_path, op, dtype_name, seed=0):
+    dtype = DTYPES[dtype_name]
+    inputs, product = random_case(op, dtype, seed)
+    specs = [write_operand(tmp_path, name, values, "contiguous", dtype) for name, values in inputs.items()]
+    result = run_driver("plain", [op, dtype_name, str(tmp_path / "out"), *specs])
+    assert result.returncode == 0, result.stderr
+    exact, magnitude = exact_product(*product)
+    if op == "backward_bias":
+        exact, magnitude = exact.flatten(), magnitude.flatten()
+    if op == "linear_relu":
+        exact, magnitude = exact.clamp(min=0), magnitude  # ReLU is exact
+    return read_output(tmp_path / "out", dtype, exact.shape), exact, magnitude, product
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_long_reductions_stay_within_the_accumulators_error_bound(tmp_path, op, dtype_name):
+    dtype = DTYPES[dtype_name]
+    output, exact, magnitude, (a, _, bias) = run_random_case(tmp_path, op, dtype_name)
+    terms = a.shape[1] + (bias is not None)
+    factor = LAMBDA * math.sqrt(terms) * unit_roundoff(accumulator_dtype(dtype))
+    stored = unit_roundoff(dtype) * exact.abs()  # the one rounding to the output dtype
+    error = (output.double() - exact).abs()
+    assert (error <= factor * magnitude + stored).all(), (
+        f"worst error {((error - stored) / magnitude).max():.3g} x sum|ab|, allowed {factor:.3g}")
+
+
+def float32_sequential_sum(a, b, bias):
+    """A·B + bias as the GEMM kernel adds it: a float32 accumulator from 0, k = 0, 1, ... in
+    order, then the bias. With 16-bit inputs every product is exact in float32, so fused or
+    separate multiply-adds give these same bits."""
+    products = a.float().unsqueeze(2) * b.float().unsqueeze(0)  # rows x k x cols, exact
+    total = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+    for k in range(products.shape[1]):
+        total = total + products[:, k]
+    return total + bias.float() if bias is not None else total
+
+
+def float32_lane_sum(dy, lanes):
+    """The sum over rows as sum_rows.cuh adds it: lane l sums rows l, l + lanes, ... in
+    float32, then the lane sums are added in lane order."""
+    total = torch.zeros(dy.shape[1], dtype=torch.float32)
+    for lane in range(lanes):
+        lane_sum = torch.zeros(dy.shape[1], dtype=torch.float32)
+        for row in dy[lane::lanes].float():
+            lane_sum = lane_sum + row
+        total = total + lane_sum
+    return total
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_16_bit_results_are_float32_sums_rounded_once_to_nearest_even(tmp_path, op, dtype_name):
+    output, _, _, (a, b, bias) = run_random_case(tmp_path, op, dtype_name)
+    if op == "backward_bias":
+        expected = float32_lane_sum(b, kernel_constants()["sum_row_lanes"])
+    else:
+        expected = float32_sequential_sum(a, b, bias)
+        if op == "linear_relu":
+            expected = torch.relu(expected)
+    assert torch.equal(output, expected.to(DTYPES[dtype_name]))  # .to rounds to nearest even
+
+
+def kernel_constants():
+    """The kernels' tile sizes, as the compiled driver reports them (never copied here)."""
+    result = run_driver("plain", ["constants", "float32", "-"])
+    assert result.returncode == 0, result.stderr
+    return {name: int(value) for name, value in (line.split("=") for line in result.stdout.split())}
+
+
+def test_the_awkward_shapes_cross_every_tile_edge_of_the_kernels():
+    c = kernel_constants()
+    ms, ns, ks = (set(dims) for dims in zip(*SHAPES))
+    for size, dims in ((c["block_m"], ms), (c["block_n"], ns), (c["block_k"], ks)):
+        assert {size - 1, size, size + 1} <= dims
+    assert REDUCTION % c["block_k"] != 0  # the long reductions end in a partial K tile

@@ -210,27 +210,45 @@ def test_hooks_survive_the_conversion():
     assert calls == ["pre", "post", "backward"]
 
 
-def fusable_pair(hook_on):
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    seen = []
-    if hook_on == "linear":
-        model[0].register_forward_hook(lambda module, args, output: seen.append(output.min().item()))
-    elif hook_on == "relu":
-        model[1].register_forward_hook(lambda module, args, output: seen.append(output.min().item()))
-    return model, seen
+# Every kind of module hook, each recording what it sees: a fused pair would change what the
+# Linear's hooks see (values before ReLU, gradients not yet masked by it) and would drop the
+# ReLU's hooks altogether.
+HOOKS = {
+    "forward_pre": lambda module, seen: module.register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].sum().item())),
+    "forward": lambda module, seen: module.register_forward_hook(
+        lambda m, args, output: seen.append(output.sum().item())),
+    "backward_pre": lambda module, seen: module.register_full_backward_pre_hook(
+        lambda m, grad_output: seen.append(grad_output[0].abs().sum().item())),
+    "backward": lambda module, seen: module.register_full_backward_hook(
+        lambda m, grad_input, grad_output: seen.append(grad_output[0].abs().sum().item())),
+}
+# The Linear's forward pre-hook sees its input, which fusion does not change: that pair fuses.
+UNFUSABLE = [("linear", "forward"), ("linear", "backward_pre"), ("linear", "backward"),
+             *(("relu", kind) for kind in HOOKS)]
 
 
-@pytest.mark.parametrize("hook_on", ["linear", "relu"])
-def test_no_fusion_where_a_hook_would_see_the_difference(hook_on):
+def forward_backward(model):
+    input = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    output = model(input)
+    output.square().sum().backward()
+    return output, input.grad
+
+
+@pytest.mark.parametrize("hook_on,kind", [*UNFUSABLE, ("linear", "forward_pre")])
+def test_fusion_only_where_no_hook_would_see_the_difference(hook_on, kind):
     torch.manual_seed(0)
-    reference, seen_by_reference = fusable_pair(hook_on)
-    model, seen = fusable_pair(hook_on)
-    model.load_state_dict(reference.state_dict())
+    reference = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model = copy.deepcopy(reference)
+    seen_by_reference, seen = [], []
+    layer = 0 if hook_on == "linear" else 1
+    HOOKS[kind](reference[layer], seen_by_reference)  # after the copy: a copied hook would share the list
+    HOOKS[kind](model[layer], seen)
     ext.replace_linears(model, fuse_relu=True)
-    assert type(model[1]) is nn.ReLU and model[0].activation is None
-    input = torch.randn(8, 4)
-    torch.testing.assert_close(model(input), reference(input))
-    assert seen == seen_by_reference  # the hook on the Linear still sees values below zero
+    assert (model[0].activation == "relu") == ((hook_on, kind) not in UNFUSABLE)
+    for ours, theirs in zip(forward_backward(model), forward_backward(reference), strict=True):
+        torch.testing.assert_close(ours, theirs)
+    assert seen and seen == pytest.approx(seen_by_reference)
 
 
 class ReversedSequential(nn.Sequential):

@@ -144,6 +144,10 @@ def assert_same_run(run_dir, reference_dir):
         assert torch.equal(resumed["model"][key], value), key
     assert all(torch.equal(resumed["optimizer"]["state"][p]["exp_avg"], state["exp_avg"])
                for p, state in alone["optimizer"]["state"].items())
+    assert resumed["best_val_acc"] == alone["best_val_acc"]
+    best, best_alone = (torch.load(path / "best.pt", weights_only=True) for path in (run_dir, reference_dir))
+    assert best["epoch"] == best_alone["epoch"]
+    assert all(torch.equal(best["model"][key], value) for key, value in best_alone["model"].items())
     logged, logged_alone = scalars(run_dir), scalars(reference_dir)
     for tag in logged_alone:  # one value per epoch per tag, nothing duplicated or missing
         assert [step for step, _ in logged[tag]] == [step for step, _ in logged_alone[tag]], tag
@@ -202,6 +206,21 @@ def test_best_checkpoint_is_the_epoch_with_the_best_val_acc(reference):
     best = torch.load(reference / "best.pt", weights_only=True)
     assert best["epoch"] == 1 + val_accs.index(max(val_accs))
     assert best["best_val_acc"] == pytest.approx(max(val_accs))
+
+
+def test_best_checkpoint_keeps_an_earlier_epoch_across_a_stop_and_resume(tmp_path, monkeypatch):
+    # val/acc scripted so the best epoch comes before the stop and later epochs are worse: a resumed
+    # run that forgot the best so far would overwrite best.pt with epoch 2
+    val_accs = iter([0.9, 0.5, 0.6])
+    evaluate = train.evaluate
+    monkeypatch.setattr(train, "evaluate", lambda *args, **kwargs: (evaluate(*args, **kwargs)[0], next(val_accs)))
+    interrupted_run(tmp_path, ["trainer.epochs=3"], at_epoch=2, monkeypatch=monkeypatch)
+    best_before = torch.load(tmp_path / "best.pt", weights_only=True)
+    resume_in_process(tmp_path, [])
+    best, last = (torch.load(tmp_path / name, weights_only=True) for name in ("best.pt", "last.pt"))
+    assert last["epoch"] == 3 and last["best_val_acc"] == best["best_val_acc"] == 0.9
+    assert best["epoch"] == 1
+    assert all(torch.equal(best["model"][key], value) for key, value in best_before["model"].items())
 
 
 def test_eval_only_reproduces_the_final_val_acc_and_trains_nothing(tmp_path, reference):

@@ -13,6 +13,8 @@
 //   backward_bias DY                       db = rows of dY summed (N)
 //   to_dtype SRC                           SRC (float32) rounded to DTYPE (float16 or bfloat16)
 //   to_float SRC                           SRC (DTYPE) widened to float32
+//   constants                              prints the kernels' tile sizes as NAME=VALUE lines
+//                                          (DTYPE and OUT_FILE are ignored), so tests never copy them
 //
 // BIAS is an N x 1 operand. GEMM ops print which operands took the wide-load path.
 #include "cuda_emu.h"
@@ -144,6 +146,12 @@ int main(int argc, char** argv) {
   const std::string_view dtype = argv[2];
   const std::string out_path = argv[3];
   const std::vector<std::string> specs(argv + 4, argv + argc);
+  if (op == "constants") {
+    namespace k = ext::cuda;
+    std::printf("threads=%d\nblock_m=%d\nblock_n=%d\nblock_k=%d\nrun=%d\nsum_cols=%d\nsum_row_lanes=%d\n",
+                k::kThreads, k::kBlockM, k::kBlockN, k::kBlockK, k::kRun, k::kSumCols, k::kSumRowLanes);
+    return 0;
+  }
   if (op == "to_dtype" || op == "to_float") {
     if (specs.size() != 1) fail("conversions take one input file");
     if (dtype == "float16") {
