@@ -13,35 +13,12 @@ from conftest import num_threads
 
 ops = torch.ops.ext
 
-# The kernels' block sizes, written down once here. Source of truth: the
-# microkernel_<path>.cpp files (wide, narrow and many-rows MR x NR register
-# tiles; the narrow one runs when N <= its NR, the many-rows one when
-# M >= MANY_ROWS_MIN_ROWS) and gemm.cpp (kKC, kMaxSingleKBlock, kMCAvx512/kMCAvx2/kMCPortable, kNC).
-TILES = {  # (path, dtype): ((MR, NR) wide, (MR, NR) narrow, (MR, NR) many rows)
-    ("avx512", torch.float32): ((8, 48), (8, 16), (6, 64)),
-    ("avx512", torch.float64): ((8, 16), (8, 8), (8, 16)),
-    ("avx2+fma", torch.float32): ((6, 16), (6, 8), (6, 16)),
-    ("avx2+fma", torch.float64): ((6, 8), (6, 4), (6, 8)),
-    ("portable", torch.float32): ((4, 8), (4, 4), (4, 8)),
-    ("portable", torch.float64): ((4, 4), (4, 2), (4, 4)),
-}
-LANES = {  # values per vector: a wide tile's ragged last column panel runs whole vectors of them
-    ("avx512", torch.float32): 16, ("avx512", torch.float64): 8,
-    ("avx2+fma", torch.float32): 8, ("avx2+fma", torch.float64): 4,
-    ("portable", torch.float32): 4, ("portable", torch.float64): 2,
-}
-KC = {torch.float32: 512, torch.float64: 256}
-# Up to this K the whole depth is one block; deeper K runs in blocks of KC (gemm.cpp kMaxSingleKBlock).
-MAX_SINGLE_K_BLOCK = {torch.float32: 800, torch.float64: 400}
-MC = {"avx512": 240, "avx2+fma": 120, "portable": 120}  # rows of a packed A block, per path
-NC = 3072
-SINGLE_BLOCK_BYTES = {"avx512": 512 * 1024, "avx2+fma": 256 * 1024, "portable": 256 * 1024}  # gemm.cpp single_block_bytes
-MANY_ROWS_MIN_ROWS = 512  # from this many rows of C the many-rows tile runs (gemm.cpp kManyRowsMinRows)
-B_IN_PLACE_MAX_ROWS = 128  # up to this many rows of C a row-major B is read unpacked (gemm.cpp)
-# Both operands read in place and B's block at most this many bytes: row tiles run outermost (gemm.cpp)
-ROWS_OUTER_MAX_B_BYTES = 48 * 1024 // 2
-L2_BYTES = 2 * 1024 * 1024  # gemm.cpp kL2Bytes: a C larger than this with rows a page apart is written by rows
-PARALLEL_MIN_FLOPS = 5e5  # below this the GEMM runs on one thread (gemm.h kParallelMinFlops)
+def block_sizes(path, dtype):
+    """The path's register tiles, cache blocks and thresholds as the compiled kernels use
+    them (gemm.cpp's cpu::block_sizes, through ext.cpu_block_sizes): read, never copied, so a
+    retuned constant moves every edge case below with it."""
+    return dict(ops.cpu_block_sizes(path, str(dtype).removeprefix("torch.")))
+
 
 # torch's own CPU feature detection decides which of our paths this machine must run.
 _CAPABILITY = torch.backends.cpu.get_cpu_capability()
@@ -96,43 +73,45 @@ def boundary_shapes(path, dtype):
     deepest single K block and NC,
     on each side of the row count where a row-major B stops being read in place, and of the
     one where the many-rows tile takes over; ragged last column panels of every vector count."""
-    (mr, nr), (narrow_mr, narrow_nr), (many_mr, many_nr) = TILES[path, dtype]
-    kc, mc, lanes = KC[dtype], MC[path], LANES[path, dtype]
-    two_k_blocks = MAX_SINGLE_K_BLOCK[dtype] + 1  # the shallowest K that runs in two blocks (KC + a ragged rest)
+    b = block_sizes(path, dtype)
+    mr, nr, narrow_mr, narrow_nr = b["wide_mr"], b["wide_nr"], b["narrow_mr"], b["narrow_nr"]
+    many_mr, many_nr, many_rows_min_rows = b["many_rows_mr"], b["many_rows_nr"], b["many_rows_min_rows"]
+    kc, mc, nc, lanes, b_in_place_max_rows = b["kc"], b["mc"], b["nc"], b["lanes"], b["b_in_place_max_rows"]
+    two_k_blocks = b["max_single_k_block"] + 1  # the shallowest K that runs in two blocks (KC + a ragged rest)
     shapes = [(m, nr + 1, two_k_blocks) for m in (1, mr - 1, mr, mr + 1, mc - 1, mc, mc + 1)]
-    shapes += [(m, nr + 1, two_k_blocks) for m in (B_IN_PLACE_MAX_ROWS, B_IN_PLACE_MAX_ROWS + 1)]
+    shapes += [(m, nr + 1, two_k_blocks) for m in (b_in_place_max_rows, b_in_place_max_rows + 1)]
     shapes += [(narrow_mr + 1, narrow_nr, two_k_blocks)]  # narrow tile, full
-    shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, NC - 1, NC, NC + 1)]
+    shapes += [(mr + 1, n, 5) for n in (1, narrow_nr - 1, narrow_nr + 1, nr - 1, nr, nr + 1, nc - 1, nc, nc + 1)]
     shapes += [(mr + 1, nr + 1, k) for k in (1, kc - 1, kc, kc + 1, two_k_blocks - 1, two_k_blocks, 2 * kc + 1)]
     shapes.append((mc + 1, 2 * nr + 3, 2 * kc + 3))  # every block edge at once
     # Rows that fit in SINGLE_BLOCK_BYTES at depth min(K, KC) make one A block; one more, MC-row blocks.
     for k in (kc // 2, kc):
-        single_block_rows = SINGLE_BLOCK_BYTES[path] // (k * dtype.itemsize)
+        single_block_rows = b["single_block_bytes"] // (k * dtype.itemsize)
         shapes += [(m, nr + 1, k) for m in (mc + 1, single_block_rows, single_block_rows + 1)]
     # Ragged last row panels run tiles of about MR / 2 and MR / 4 rows: each of those, and one more.
     row_variants = sorted({(mr + 1) // 2, (mr + 3) // 4})
     shapes += [(mr + r, nr + 1, two_k_blocks) for v in row_variants for r in (v, v + 1)]
-    first_many = -(-MANY_ROWS_MIN_ROWS // many_mr) * many_mr
+    first_many = -(-many_rows_min_rows // many_mr) * many_mr
     shapes += [(first_many + r, many_nr + 1, two_k_blocks) for v in sorted({(many_mr + 1) // 2, (many_mr + 3) // 4})
                for r in (v, v + 1)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, two_k_blocks) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.
-    shapes += [(m, many_nr + 1, two_k_blocks) for m in (MANY_ROWS_MIN_ROWS - 1, MANY_ROWS_MIN_ROWS,
-                                                 MANY_ROWS_MIN_ROWS + 1, MANY_ROWS_MIN_ROWS + many_mr - 1,
+    shapes += [(m, many_nr + 1, two_k_blocks) for m in (many_rows_min_rows - 1, many_rows_min_rows,
+                                                 many_rows_min_rows + 1, many_rows_min_rows + many_mr - 1,
                                                  2 * mc - 1, 2 * mc + 1)]
-    shapes += [(MANY_ROWS_MIN_ROWS + 1, n, 5) for n in (many_nr - 1, many_nr, many_nr + lanes + 1, NC + 1)]
-    shapes += [(MANY_ROWS_MIN_ROWS + many_mr + 1, many_nr + v * lanes, k)
+    shapes += [(many_rows_min_rows + 1, n, 5) for n in (many_nr - 1, many_nr, many_nr + lanes + 1, nc + 1)]
+    shapes += [(many_rows_min_rows + many_mr + 1, many_nr + v * lanes, k)
                for v in range(1, many_nr // lanes) for k in (kc, 2 * kc + 1)]
     # C's rows a page apart: on each side of the C size (L2) from which its row tiles run outermost over a
     # B packed whole (float64 also with two K blocks, whose B block still fits half of L2).
     page_cols = 4096 // dtype.itemsize
     wide_n = page_cols + lanes + 1 if dtype == torch.float32 else page_cols
-    rows_over_l2 = L2_BYTES // (wide_n * dtype.itemsize) + 1
+    rows_over_l2 = b["l2_bytes"] // (wide_n * dtype.itemsize) + 1
     shapes += [(m, wide_n, k) for m in (rows_over_l2 - 1, rows_over_l2 + mr + 1) for k in (5, two_k_blocks)]
     # dX of a 10-class head (its K = 10): B's block (10 x in) on each side of the bytes that run row tiles outermost.
-    rows_outer_max_cols = ROWS_OUTER_MAX_B_BYTES // (10 * dtype.itemsize)
-    shapes += [(m, 10, k) for m in (mr + 1, B_IN_PLACE_MAX_ROWS) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
+    rows_outer_max_cols = b["rows_outer_max_b_bytes"] // (10 * dtype.itemsize)
+    shapes += [(m, 10, k) for m in (mr + 1, b_in_place_max_rows) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
     return shapes
 
 
@@ -157,11 +136,12 @@ LAYOUTS = ["contiguous", "transposed", "strided"]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
 def test_strided_and_transposed_operands(path, dtype):
-    (mr, nr), _, (many_mr, _) = TILES[path, dtype]
+    b = block_sizes(path, dtype)
     # Ragged in every dimension, on the wide tile, then on the many-rows one (M and,
-    # for dW, N of at least MANY_ROWS_MIN_ROWS).
-    shapes = [(2 * mr + 1, nr + 3, MAX_SINGLE_K_BLOCK[dtype] + 9),
-              (MANY_ROWS_MIN_ROWS + 2 * many_mr + 1, MANY_ROWS_MIN_ROWS + 3, MAX_SINGLE_K_BLOCK[dtype] + 9)]
+    # for dW, N of at least many_rows_min_rows).
+    k = b["max_single_k_block"] + 9
+    shapes = [(2 * b["wide_mr"] + 1, b["wide_nr"] + 3, k),
+              (b["many_rows_min_rows"] + 2 * b["many_rows_mr"] + 1, b["many_rows_min_rows"] + 3, k)]
     with cpu_path(path):
         for (m, n, k), x_layout, w_layout in itertools.product(shapes, LAYOUTS, LAYOUTS):
             x, w = make(m, k, dtype, x_layout, 1), make(n, k, dtype, w_layout, 2)
@@ -205,7 +185,7 @@ def test_simd_paths_agree_with_portable(dtype):
         with cpu_path(path):
             results[path] = [ops.linear(x, w, b), ops.linear_backward_input(dy, w), ops.linear_backward_weight(dy, x)]
     for path in PATHS[1:]:
-        for ours, portable, depth in zip(results[path], results["portable"], (k, n, m)):
+        for ours, portable, depth in zip(results[path], results["portable"], (k, n, m), strict=True):
             torch.testing.assert_close(ours, portable, **tolerance(dtype, depth))
 
 
@@ -215,10 +195,16 @@ def test_simd_paths_agree_with_portable(dtype):
 DETERMINISM_SHAPES = [(128, 256, 784), (1000, 10, 600), (512, 256, 300), (64, 600, 40)]
 
 
+# "Any thread count": more threads than this machine's cores too, so that every way of
+# cutting the columns (by 3, 4, 5) is compared with one thread.
+THREAD_COUNTS = [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_bit_identical_across_runs_and_thread_counts(path):
+    parallel_min_flops = block_sizes(path, torch.float32)["parallel_min_flops"]
     for m, n, k in DETERMINISM_SHAPES:
-        assert 2 * m * n * k > PARALLEL_MIN_FLOPS  # or threads would never be used
+        assert 2 * m * n * k > parallel_min_flops  # or threads would never be used
         x, w = make(m, k, torch.float32, "contiguous", 11), make(n, k, torch.float32, "contiguous", 12)
         b, dy = make(1, n, torch.float32, "contiguous", 13)[0], make(m, n, torch.float32, "contiguous", 14)
 
@@ -230,10 +216,15 @@ def test_bit_identical_across_runs_and_thread_counts(path):
             with num_threads(1):
                 single = run()
             with num_threads(2):
-                first, second = run(), run()
-        for one, two, again in zip(single, first, second):
-            assert torch.equal(two, again), f"{path}: two runs differ for M={m} N={n} K={k}"
-            assert torch.equal(one, two), f"{path}: 1 and 2 threads differ for M={m} N={n} K={k}"
+                first, again = run(), run()
+            for one, two, repeated in zip(single, first, again, strict=True):
+                assert torch.equal(two, repeated), f"{path}: two runs differ for M={m} N={n} K={k}"
+                assert torch.equal(one, two), f"{path}: 1 and 2 threads differ for M={m} N={n} K={k}"
+            for count in THREAD_COUNTS[2:]:
+                with num_threads(count):
+                    results = run()
+                for one, many in zip(single, results, strict=True):
+                    assert torch.equal(one, many), f"{path}: 1 and {count} threads differ for M={m} N={n} K={k}"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -253,19 +244,21 @@ def test_float32_error_does_not_grow_with_many_k_blocks(path):
 
 # The autograd backward calls the kernels directly (autograd.cpp backward_cpu), with dX and db
 # on one thread and dW on the other when there are 2, each taking the other's column panels
-# still left once done (from SHARED_MIN_FLOPS per product). (batch, out, in): two K blocks for
+# still left once done (from shared_min_flops per product). (batch, out, in): two K blocks for
 # dX (out > 800), ragged last tiles, the many-rows tile, a 10-class head, dW cut into panels
 # that share one packed dYᵀ (the last two: ragged, and whole tiles); every grad_output layout.
-SHARED_MIN_FLOPS = 8e6  # autograd.cpp kSharedMinFlops
 BACKWARD_SHAPES = [(128, 1000, 2048), (300, 801, 49), (129, 65, 385), (512, 256, 31), (257, 10, 600),
                    (150, 90, 530), (256, 192, 384)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("path", PATHS)
-def test_backward_on_two_threads_matches_one_thread_bit_for_bit(path, dtype):
+def test_backward_on_more_threads_matches_one_thread_bit_for_bit(path, dtype):
+    sizes = block_sizes(path, dtype)
+    flops = [2 * batch * out_features * in_features for batch, out_features, in_features in BACKWARD_SHAPES]
+    assert min(flops) >= sizes["parallel_min_flops"]  # or dX and dW run one after the other
+    assert min(flops) < sizes["shared_min_flops"] <= max(flops)  # with and without shared chunks
     for batch, out_features, in_features in BACKWARD_SHAPES:
-        assert 2 * batch * out_features * in_features >= PARALLEL_MIN_FLOPS  # or dX and dW run one after the other
         input = make(batch, in_features, dtype, "contiguous", 21).requires_grad_()
         weight = make(out_features, in_features, dtype, "contiguous", 22).requires_grad_()
         bias = make(1, out_features, dtype, "contiguous", 23)[0].requires_grad_()
@@ -280,15 +273,17 @@ def test_backward_on_two_threads_matches_one_thread_bit_for_bit(path, dtype):
             with cpu_path(path):
                 with num_threads(1):
                     single = grads()
-                with num_threads(2):  # which thread computes which panel changes from run to run
-                    runs = [grads() for _ in range(3)]
+                runs = []
+                for count in [2, 2, 2, *THREAD_COUNTS[2:]]:  # which thread computes which panel changes from run to run
+                    with num_threads(count):
+                        runs.append(grads())
             where = f"{path}: {batch}x{in_features}->{out_features}, {grad_layout} grad_output"
             expected = [grad_output.double() @ weight.double(), grad_output.double().t() @ input.double(),
                         grad_output.double().sum(0)]
             for shared in runs:
                 for name, one, two, reference, depth in zip(("dX", "dW", "db"), single, shared, expected,
-                                                            (out_features, batch, batch)):
-                    assert torch.equal(one, two), f"{name} differs on 1 and 2 threads ({where})"
+                                                            (out_features, batch, batch), strict=True):
+                    assert torch.equal(one, two), f"{name} differs on 1 and more threads ({where})"
                     assert_close(two, reference, dtype, depth)
 
 
@@ -309,7 +304,7 @@ def test_sum_rows_over_many_columns(layout):
 def test_sum_rows_adds_each_column_in_row_order_on_every_path(path, dtype):
     # Each path sums blocks of 4 vectors of columns, then single vectors, then a scalar tail;
     # every column must still add its rows in order: bit-identical to a sequential sum.
-    lanes = LANES[path, dtype]
+    lanes = block_sizes(path, dtype)["lanes"]
     for n in sorted({1, lanes - 1, lanes, lanes + 1, 4 * lanes - 1, 4 * lanes, 4 * lanes + 1, 9 * lanes + 3} - {0}):
         dy = make(37, n, dtype, "contiguous", n)
         expected = torch.zeros(n, dtype=dtype)

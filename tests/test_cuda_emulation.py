@@ -398,7 +398,7 @@ def kernel_constants():
 
 def test_the_awkward_shapes_cross_every_tile_edge_of_the_kernels():
     c = kernel_constants()
-    ms, ns, ks = (set(dims) for dims in zip(*SHAPES))
+    ms, ns, ks = (set(dims) for dims in zip(*SHAPES, strict=True))
     for size, dims in ((c["block_m"], ms), (c["block_n"], ns), (c["block_k"], ks)):
         assert {size - 1, size, size + 1} <= dims
     assert REDUCTION % c["block_k"] != 0  # the long reductions end in a partial K tile

@@ -77,7 +77,7 @@ def ours(op, leaves, grad_output):
 def test_forward_and_gradients_are_exact(op, shape, dtype):
     op = getattr(ext, op)
     leaves, grad_output = exact_case(shape, dtype)
-    for got, expected in zip(ours(op, leaves, grad_output), reference(op, leaves, grad_output)):
+    for got, expected in zip(ours(op, leaves, grad_output), reference(op, leaves, grad_output), strict=True):
         assert got.dtype == dtype
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -86,7 +86,7 @@ def test_forward_and_gradients_are_exact(op, shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_any_layout(layout, dtype):
     leaves, grad_output = exact_case((37, 61, 45), dtype, layout)
-    for got, expected in zip(ours(ext.linear, leaves, grad_output), reference(ext.linear, leaves, grad_output)):
+    for got, expected in zip(ours(ext.linear, leaves, grad_output), reference(ext.linear, leaves, grad_output), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
@@ -130,7 +130,7 @@ def test_results_repeat_bit_for_bit(dtype):
             leaf.grad = None
         return ours(ext.linear, [x, w, b], grad_output)
 
-    for first, second in zip(run(), run()):
+    for first, second in zip(run(), run(), strict=True):
         assert torch.equal(first, second)
 
 

@@ -47,7 +47,7 @@ def test_resnet_forward_backward_with_ext_linear_matches_nn_linear(in_channels):
         out.square().mean().backward()
         outputs.append(out)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
-    for (name, p_ref), (_, p_custom) in zip(reference.named_parameters(), custom.named_parameters()):
+    for (name, p_ref), (_, p_custom) in zip(reference.named_parameters(), custom.named_parameters(), strict=True):
         torch.testing.assert_close(p_custom.grad, p_ref.grad, rtol=1e-3, atol=1e-5, msg=name)
 
 

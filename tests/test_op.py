@@ -64,7 +64,7 @@ def check_against_torch(fn, reference_fn, input, weight, bias):
     expected, expected_grads = forward_and_grads(reference_fn, *as64, grad_output.double())
     assert ours.dtype == input.dtype and ours.shape == expected.shape
     assert_close_to(ours, expected, K)
-    for got, want, reduction_len in zip(our_grads, expected_grads, (N, M, M)):
+    for got, want, reduction_len in zip(our_grads, expected_grads, (N, M, M), strict=True):
         if want is not None:
             assert got is not None and got.shape == want.shape
             assert_close_to(got, want, reduction_len)
@@ -172,11 +172,11 @@ def test_nested_inputs_like_f_linear(fn, reference, layout, component_shapes):
         assert output.is_nested and output.layout == layout
         outputs = output.unbind()
         grad_outputs = grad_outputs or [torch.randn_like(out) for out in outputs]
-        loss = sum((out * grad).sum() for out, grad in zip(outputs, grad_outputs))
+        loss = sum((out * grad).sum() for out, grad in zip(outputs, grad_outputs, strict=True))
         grads = torch.autograd.grad(loss, (input, weight, bias))
         results.append((outputs, grads[0].unbind(), grads[1:]))
     (ours, our_input_grads, our_grads), (theirs, their_input_grads, their_grads) = results
-    for a, b in zip([*ours, *our_input_grads, *our_grads], [*theirs, *their_input_grads, *their_grads]):
+    for a, b in zip([*ours, *our_input_grads, *our_grads], [*theirs, *their_input_grads, *their_grads], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -186,7 +186,7 @@ def test_nested_input_of_1d_components_is_not_taken_for_a_2d_input():
     weight, bias = torch.randn(5, 7, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     output = ext.linear(torch.nested.nested_tensor(components), weight, bias)
     assert output.is_nested
-    for out, component in zip(output.unbind(), components):
+    for out, component in zip(output.unbind(), components, strict=True):
         torch.testing.assert_close(out, F.linear(component, weight, bias), rtol=1e-12, atol=1e-12)
 
 
@@ -273,7 +273,7 @@ class OpLog(TorchDispatchMode):
 ])
 def test_backward_computes_only_needed_grads(fn, wanted, expected_ops):
     input, weight, bias = make_operands(4, 3, 5, torch.float32)
-    for name, tensor in zip(("input", "weight", "bias"), (input, weight, bias)):
+    for name, tensor in zip(("input", "weight", "bias"), (input, weight, bias), strict=True):
         tensor.requires_grad_(wanted in (name, "all"))
     output = fn(input, weight, bias)
     with OpLog() as log:
@@ -288,7 +288,7 @@ def test_relu_gradient_is_zero_where_output_is_not_positive():
     output, grads = forward_and_grads(ext.linear_relu, input, weight, None, torch.ones(3, 1, dtype=torch.float64))
     expected, expected_grads = forward_and_grads(torch_linear_relu, input, weight, None, torch.ones(3, 1, dtype=torch.float64))
     assert torch.equal(output, expected)
-    for got, want in zip(grads[:2], expected_grads[:2]):
+    for got, want in zip(grads[:2], expected_grads[:2], strict=True):
         assert torch.equal(got, want)
 
 
@@ -419,7 +419,7 @@ def test_bit_identical_across_runs_and_thread_counts(dtype):
         with num_threads(count):
             again = forward_and_grads(ext.linear, input, weight, bias, grad_output)
         assert torch.equal(again[0], first[0])
-        assert all(torch.equal(a, b) for a, b in zip(again[1], first[1]))
+        assert all(torch.equal(a, b) for a, b in zip(again[1], first[1], strict=True))
 
 
 # (batch, out, in): each product is 2·batch·out·in flops, on either side of gemm.h's

@@ -321,7 +321,7 @@ def test_rng_state_restores_the_data_order_of_either_loader(loader):
             train_loader, _ = build.make_loaders(cfg, dataset, torch.device("cpu"))
             checkpoint.restore_rng(state, data.order_generator(train_loader))
         orders.append([labels for _, labels in train_loader])  # epoch 2
-    assert all(torch.equal(a, b) for a, b in zip(*orders))
+    assert all(torch.equal(a, b) for a, b in zip(*orders, strict=True))
 
 
 def test_the_data_order_is_the_same_with_or_without_loader_workers():
@@ -331,8 +331,21 @@ def test_the_data_order_is_the_same_with_or_without_loader_workers():
         cfg = config.load_config([f"data.loader={kind}", f"data.num_workers={workers}"])
         train_loader, _ = build.make_loaders(cfg, dataset, torch.device("cpu"))
         orders.append([labels for _ in range(2) for _, labels in train_loader])  # two epochs
-    assert all(torch.equal(a, b) for a, b in zip(orders[0], orders[1]))
-    assert all(torch.equal(a, b) for a, b in zip(orders[1], orders[2]))
+    assert all(torch.equal(a, b) for a, b in zip(orders[0], orders[1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(orders[1], orders[2], strict=True))
+
+
+def test_a_run_with_loader_workers_resumes_to_the_same_weights_as_one_left_alone(tmp_path, monkeypatch):
+    overrides = ["data.loader=dataloader", "data.num_workers=2", "trainer.epochs=2", "model.dropout=0.2"]
+    alone, stopped = tmp_path / "alone", tmp_path / "stopped"
+    train.fit(config.load_config(overrides), alone)
+    interrupted_run(stopped, overrides, at_epoch=2, monkeypatch=monkeypatch)
+    assert checkpoint.load(stopped)["epoch"] == 1
+    resume_in_process(stopped, [])
+    resumed, left_alone = (torch.load(path / "last.pt", weights_only=True) for path in (stopped, alone))
+    assert resumed["epoch"] == left_alone["epoch"] == 2
+    assert all(torch.equal(resumed["model"][key], value) for key, value in left_alone["model"].items())
+    assert scalars(stopped)["val/acc"] == scalars(alone)["val/acc"]
 
 
 def test_amp_loss_scale_survives_a_checkpoint():

@@ -1,5 +1,6 @@
 """Scaling out: torchrun + DDP, parallel (joblib) and cluster (submitit) sweeps, Optuna search, and the
 AMP / compile / channels_last / deterministic switches."""
+import contextlib
 import csv
 import os
 import random
@@ -7,18 +8,21 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 import ext
 import models
 import train
-from trainer import config, logs, summary
+from trainer import build, config, logs, summary
 
 REPO = Path(__file__).resolve().parents[1]
 # SGD with momentum, no dropout (the default MLP): a run whose weights two processes must reproduce exactly
@@ -51,7 +55,8 @@ def test_torchrun_two_processes_reach_the_single_process_weights_and_write_one_r
     log = (run_dir / "train.log").read_text()
     assert len(re.findall(r"^.*epoch \d/2: train loss", log, re.MULTILINE)) == 2
     assert len(re.findall(r"^epoch 1/2: train loss", result.stdout, re.MULTILINE)) == 1  # printed by rank 0 only
-    assert "cpu, 1 thread each, 2 processes (gloo)" in log or os.cpu_count() > 3  # the two ranks share the cores
+    threads_each = max(1, len(os.sched_getaffinity(0)) // 2)  # the two ranks share the cores
+    assert f"cpu, {logs.counted(threads_each, 'thread')} each, 2 processes (gloo)" in log
 
     single_dir = tmp_path / "single"
     train.fit(config.load_config(DDP_OVERRIDES), single_dir)
@@ -73,8 +78,10 @@ def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_p
         cwd=tmp_path, env={"LINEAR_LAB_BUILD_DIR": str(tmp_path / "cache")},
     )
     assert result.stderr.count("building the extension") == 1 and "waiting for process" not in result.stderr
-    assert "Joblib.Parallel(n_jobs=2" in result.stdout
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    # in parallel: each job's TensorBoard events span its run, and the two spans overlap
+    spans = [event_span(job_dir) for job_dir in sorted(sweep_dir.glob("*_mlp-*"))]
+    assert len(spans) == 2 and max(start for start, _ in spans) < min(end for _, end in spans), spans
     with open(sweep_dir / "summary.csv") as file:
         rows = list(csv.DictReader(file))
     assert [row["linear"] for row in rows] == ["torch", "custom"]
@@ -88,6 +95,29 @@ def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_p
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for job_dir in sweep_dir.glob("*_mlp-*"):
         assert f"cpu, {logs.counted(threads, 'thread')} |" in (job_dir / "train.log").read_text()
+
+
+def event_span(run_dir):
+    """(first, last) wall time of the run's TensorBoard events: from its writer's creation to its last scalar."""
+    (events,) = run_dir.glob("events.out.tfevents.*")
+    times = [event.wall_time for event in EventFileLoader(str(events)).Load()]
+    return min(times), max(times)
+
+
+@pytest.mark.parametrize("n_jobs, jobs_at_once", [(4, 4), (-1, 8), (-2, 7), (-5, 4), (-8, 1), (-20, 1)])
+def test_threads_share_the_cores_among_joblibs_jobs_counted_as_joblib_counts(monkeypatch, n_jobs, jobs_at_once):
+    # joblib's convention for a negative n_jobs: -1 is all cores, -2 all but one, ..., never fewer than one
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    with initialize_config_dir(str(config.CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["hydra/launcher=joblib", f"hydra.launcher.n_jobs={n_jobs}"],
+                      return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert build.threads_per_process("auto") == max(1, 8 // jobs_at_once)
+        assert build.threads_per_process(3) == 3  # a number is taken as it is
+    finally:
+        HydraConfig.instance().cfg = None
 
 
 def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
@@ -105,15 +135,47 @@ def test_optuna_search_finishes_and_reports_its_best_value(tmp_path):
     assert "setup plugin alembic" not in result.stdout + result.stderr  # conf/hydra/default.yaml quiets it
 
 
+def test_optuna_records_a_failed_trial_as_failed_and_searches_on(tmp_path):
+    # Optuna takes a sweep on the command line as that key's search space. At lr=1e6 the loss becomes NaN
+    # in the first epoch: those trials fail, the others run.
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "search=mlp_lr", "hydra.sweeper.n_trials=4",
+         "trainer.epochs=1", "optim.lr=choice(0.001,1e6)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 1, result.stderr[-3000:]  # a sweep with a failed job exits with 1
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    with open(sweep_dir / "summary.csv") as file:
+        rows = list(csv.DictReader(file))
+    failed = [row for row in rows if row["error"]]
+    assert len(rows) == 4 and 0 < len(failed) < 4
+    assert all("optim.lr=1000000.0" in row["overrides"] and re.match("loss became (nan|inf)", row["error"]) for row in failed)
+    assert "Failed experiment: Return value must be float-castable" in result.stdout + result.stderr  # Optuna's FAIL
+    best = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    assert best.best_params["optim.lr"] == 0.001
+    assert best.best_value == pytest.approx(max(float(row["val_acc"]) for row in rows if not row["error"]))
+
+
 @pytest.fixture(scope="module")
 def plain_val_acc(tmp_path_factory):
     return train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1"]), tmp_path_factory.mktemp("plain"))
 
 
-@pytest.mark.parametrize("switch", ["trainer.amp=true", "trainer.compile=true"])
-def test_amp_and_compile_train_the_custom_mlp_as_well_as_the_plain_run(tmp_path, plain_val_acc, switch):
-    val_acc = train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1", switch]), tmp_path)
+def test_amp_trains_the_custom_mlp_under_autocast_as_well_as_the_plain_run(tmp_path, plain_val_acc):
+    with recording_layers() as seen:
+        val_acc = train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1", "trainer.amp=true"]),
+                            tmp_path)
     assert abs(val_acc - plain_val_acc) <= 0.02
+    assert seen and all(call.autocast and call.output == torch.float32 for call in seen)  # our op: float32 on CPU
+
+
+def test_compile_trains_the_custom_mlp_compiled_as_well_as_the_plain_run(tmp_path, plain_val_acc):
+    torch._dynamo.reset()
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+    val_acc = train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1", "trainer.compile=true"]),
+                        tmp_path)
+    assert abs(val_acc - plain_val_acc) <= 0.02
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames_before  # dynamo compiled the model's forward
 
 
 def test_compiled_custom_mlp_has_no_graph_breaks():
@@ -134,11 +196,58 @@ def test_cpu_autocast_runs_our_op_in_float32_after_bfloat16_convolutions():
     assert all(parameter.grad is not None for parameter in model.stem.parameters())
 
 
-def test_resnet_trains_with_channels_last_and_amp(tmp_path):
-    overrides = ["model=resnet18", "data=fake", "data.train_size=32", "data.val_size=16", "data.image_size=[3,8,8]",
-                 "data.batch_size=16", "trainer.epochs=1", "trainer.channels_last=true", "trainer.amp=true"]
-    val_acc = train.fit(config.load_config(overrides), tmp_path)
-    assert 0 <= val_acc <= 1 and (tmp_path / "last.pt").is_file()
+@dataclass
+class LayerCall:
+    kind: str  # "Conv2d" or "Linear" (ext.Linear)
+    channels_last: bool  # the input is laid out channels_last (a 1 x 1 image is both layouts)
+    contiguous: bool  # the input is laid out as a plain contiguous tensor
+    input: torch.dtype
+    output: torch.dtype
+    autocast: bool
+
+
+@contextlib.contextmanager
+def recording_layers():
+    """Records how every Conv2d and ext.Linear forward in the block ran (on real tensors: the FLOP count
+    on the meta device is left out)."""
+    seen = []
+
+    def record(module, args, output):
+        if isinstance(module, (torch.nn.Conv2d, ext.Linear)) and args[0].device.type != "meta":
+            seen.append(LayerCall("Conv2d" if isinstance(module, torch.nn.Conv2d) else "Linear",
+                                  args[0].is_contiguous(memory_format=torch.channels_last), args[0].is_contiguous(),
+                                  args[0].dtype, output.dtype, torch.is_autocast_enabled("cpu")))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+RESNET_RUN = ["model=resnet18", "data=fake", "data.train_size=32", "data.val_size=16", "data.image_size=[3,8,8]",
+              "data.batch_size=16", "trainer.epochs=1"]
+
+
+def test_resnet_trains_with_channels_last_and_amp_and_both_take_effect(tmp_path):
+    with recording_layers() as seen:
+        train.fit(config.load_config([*RESNET_RUN, "trainer.channels_last=true", "trainer.amp=true"]), tmp_path)
+    convs = [call for call in seen if call.kind == "Conv2d"]
+    assert len(convs) == 20 * 3  # ResNet-18's 20 convolutions, in 2 training and 1 evaluation steps
+    # every convolution reads channels_last and runs in bfloat16 under autocast
+    assert all(call.channels_last and call.output == torch.bfloat16 and call.autocast for call in convs)
+    assert not all(call.contiguous for call in convs)  # not merely images too small to tell the layouts apart
+    # the head gets the bfloat16 features and runs our op in float32 (ext.Linear under CPU autocast)
+    heads = [call for call in seen if call.kind == "Linear"]
+    assert len(heads) == 3 and all(call.input == torch.bfloat16 and call.output == torch.float32 for call in heads)
+    assert (tmp_path / "last.pt").is_file()
+
+
+def test_without_the_switches_nothing_is_channels_last_or_autocast(tmp_path):
+    with recording_layers() as seen:
+        train.fit(config.load_config(RESNET_RUN), tmp_path)
+    assert len(seen) == 21 * 3
+    assert all(call.contiguous and not call.autocast and call.output == torch.float32 for call in seen)
 
 
 def seeded_draws(seed):

@@ -97,7 +97,7 @@ def test_the_sweep_folder_gets_each_pairs_speedup_curve_for_tensorboard(tmp_path
     accumulator.Reload()
     value, low, high = ([event.value for event in accumulator.Scalars(tag)] for tag in summary.SPEEDUP_TAGS)
     assert [event.step for event in accumulator.Scalars("time/step_speedup")] == [1, 2, 3]
-    assert all(lo < v < hi for v, lo, hi in zip(value, low, high)) and all(1.9 < v < 2.1 for v in value)
+    assert all(lo < v < hi for v, lo, hi in zip(value, low, high, strict=True)) and all(1.9 < v < 2.1 for v in value)
 
 
 def test_a_short_comparison_says_so_and_a_small_flop_share_says_what_it_measured(tmp_path):

@@ -14,6 +14,8 @@
 
 namespace ext {
 
+double shared_min_flops();  // autograd.cpp: from this size the backward shares dX and dW's chunks
+
 namespace {
 
 // Y = X·Wᵀ + b, optionally followed by ReLU in the same store.
@@ -98,6 +100,30 @@ void set_cpu_path(const std::string& name) {
   cpu::set_cpu_path(*path);
 }
 
+// A path's block sizes and thresholds by name (cpu::BlockSizes), with the work sizes below which
+// a product stays on one thread and the backward's dX and dW stop sharing column chunks.
+c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, const std::string& dtype) {
+  const auto path = cpu::cpu_path_from_name(path_name);
+  TORCH_CHECK(path.has_value(), "ext.cpu_block_sizes: unknown path '", path_name,
+              "'; use 'portable', 'avx2+fma' or 'avx512'");
+  TORCH_CHECK(dtype == "float32" || dtype == "float64", "ext.cpu_block_sizes: dtype must be 'float32' or 'float64'");
+  const cpu::BlockSizes b = dtype == "float32" ? cpu::block_sizes<float>(*path) : cpu::block_sizes<double>(*path);
+  c10::Dict<std::string, int64_t> sizes;
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"wide_mr", b.wide_mr}, {"wide_nr", b.wide_nr},
+                                    {"narrow_mr", b.narrow_mr}, {"narrow_nr", b.narrow_nr},
+                                    {"many_rows_mr", b.many_rows_mr}, {"many_rows_nr", b.many_rows_nr},
+                                    {"lanes", b.lanes}, {"kc", b.kc}, {"max_single_k_block", b.max_single_k_block},
+                                    {"mc", b.mc}, {"nc", b.nc}, {"single_block_bytes", b.single_block_bytes},
+                                    {"many_rows_min_rows", b.many_rows_min_rows},
+                                    {"b_in_place_max_rows", b.b_in_place_max_rows},
+                                    {"rows_outer_max_b_bytes", b.rows_outer_max_b_bytes}, {"l2_bytes", b.l2_bytes},
+                                    {"parallel_min_flops", static_cast<int64_t>(cpu::kParallelMinFlops)},
+                                    {"shared_min_flops", static_cast<int64_t>(shared_min_flops())}}) {
+    sizes.insert(name, value);
+  }
+  return sizes;
+}
+
 // Under CPU autocast (bfloat16) the ops run in float32, as autocast runs PyTorch's own fp32-only ops:
 // the CPU kernels implement float32 and float64, and a ResNet's autocast convolutions hand the final
 // Linear a bfloat16 input. Lower-precision inputs are cast up; then the op runs with autocast off.
@@ -162,6 +188,7 @@ TORCH_LIBRARY(ext, m) {
   m.def("cpu_path() -> str", &cpu_path);
   m.def("set_cpu_path(str name) -> ()", &set_cpu_path);
   m.def("fma_peak_gflops(int num_threads) -> float", &cpu::measure_fma_peak_gflops);
+  m.def("cpu_block_sizes(str path, str dtype) -> Dict(str, int)", &cpu_block_sizes);
 }
 
 TORCH_LIBRARY_IMPL(ext, CPU, m) {

@@ -119,6 +119,10 @@ constexpr int64_t kManyRowsMinRows = 512;
 // were ~4% slower in place, and reading dW's column-major A in place ~10% slower.
 constexpr int64_t kMaxRowsForBInPlace = 128;
 
+// Both operands read in place and B's block within half of L1d (dX of a 10-class head):
+// row tiles run outermost (see rows_outer in gemm_slab).
+constexpr int64_t kRowsOuterMaxBBytes = kL1dBytes / 2;
+
 // A row-major A is read in place, never packed: gemm_slab reads it so, and gemm splits
 // threads by columns for it (each slab then packs only its own part of B).
 inline bool reads_a_in_place(int64_t a_col_stride) { return a_col_stride == 1; }
@@ -296,7 +300,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // 13.7 -> 13.0-13.3 us (torch 5.5 and 9.7-10.3); prefetching the next
   // column panel's C in this order was slower (8.1 us).
   const bool rows_outer = write_c_by_rows ||
-                          (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= kL1dBytes / 2);
+                          (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= kRowsOuterMaxBBytes);
   T* packed_b = t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
   T* packed_a = shared_packed_a ? nullptr : t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
@@ -580,6 +584,17 @@ void sum_rows(int64_t M, int64_t N, const T* A, int64_t a_rs, int64_t a_cs, T* o
     }
   });
 }
+
+template <typename T>
+BlockSizes block_sizes(CpuPath path) {
+  const Microkernels<T>& k = microkernels<T>(path);
+  return {k.wide.mr,     k.wide.nr,          k.narrow.mr,     k.narrow.nr,
+          k.many_rows.mr, k.many_rows.nr,    k.wide.lanes,    kKC<T>,
+          kMaxSingleKBlock<T>, block_rows(path), kNC,          single_block_bytes(path),
+          kManyRowsMinRows, kMaxRowsForBInPlace, kRowsOuterMaxBBytes, kL2Bytes};
+}
+template BlockSizes block_sizes<float>(CpuPath);
+template BlockSizes block_sizes<double>(CpuPath);
 
 template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
                           const float*, int64_t, int64_t, const float*, bool, float*, int64_t);

@@ -92,6 +92,27 @@ void set_cpu_path(CpuPath path);     // raises std::runtime_error if the CPU lac
 const char* cpu_path_name(CpuPath path);                   // "portable" | "avx2+fma" | "avx512"
 std::optional<CpuPath> cpu_path_from_name(std::string_view name);  // inverse of cpu_path_name
 
+// The sizes a path blocks a product by and the thresholds that pick its code paths,
+// exactly as the kernels use them: tests derive their edge cases from these and
+// `python -m ext` reports them, so no copy of a constant lives outside gemm.cpp.
+struct BlockSizes {
+  int64_t wide_mr, wide_nr;            // the usual register tile of C
+  int64_t narrow_mr, narrow_nr;        // the tile for N <= narrow_nr
+  int64_t many_rows_mr, many_rows_nr;  // the tile from many_rows_min_rows rows of C
+  int64_t lanes;                       // values per vector
+  int64_t kc;                          // depth of a K block
+  int64_t max_single_k_block;          // up to this K, all of K is one block
+  int64_t mc;                          // rows of a packed A block
+  int64_t nc;                          // columns of a packed B block
+  int64_t single_block_bytes;          // an A block may hold all of a slab's rows within this
+  int64_t many_rows_min_rows;
+  int64_t b_in_place_max_rows;         // up to this many rows of C a row-major B is read unpacked
+  int64_t rows_outer_max_b_bytes;      // both operands in place and B's block this small: row tiles outermost
+  int64_t l2_bytes;                    // C larger than this with rows a page apart is written by rows
+};
+template <typename T>
+BlockSizes block_sizes(CpuPath path);
+
 // This machine's measured peak of fused multiply-adds, in GFLOP/s (2 flops per
 // lane per FMA), running independent chains of the widest vector FMA the CPU
 // has (AVX-512 if present, else AVX2) on num_threads threads.
