@@ -201,6 +201,7 @@ class LayerCall:
     kind: str  # "Conv2d" or "Linear" (ext.Linear)
     channels_last: bool  # the input is laid out channels_last (a 1 x 1 image is both layouts)
     contiguous: bool  # the input is laid out as a plain contiguous tensor
+    weight_channels_last: bool
     input: torch.dtype
     output: torch.dtype
     autocast: bool
@@ -216,6 +217,7 @@ def recording_layers():
         if isinstance(module, (torch.nn.Conv2d, ext.Linear)) and args[0].device.type != "meta":
             seen.append(LayerCall("Conv2d" if isinstance(module, torch.nn.Conv2d) else "Linear",
                                   args[0].is_contiguous(memory_format=torch.channels_last), args[0].is_contiguous(),
+                                  module.weight.is_contiguous(memory_format=torch.channels_last),
                                   args[0].dtype, output.dtype, torch.is_autocast_enabled("cpu")))
 
     handle = torch.nn.modules.module.register_module_forward_hook(record)
@@ -234,8 +236,10 @@ def test_resnet_trains_with_channels_last_and_amp_and_both_take_effect(tmp_path)
         train.fit(config.load_config([*RESNET_RUN, "trainer.channels_last=true", "trainer.amp=true"]), tmp_path)
     convs = [call for call in seen if call.kind == "Conv2d"]
     assert len(convs) == 20 * 3  # ResNet-18's 20 convolutions, in 2 training and 1 evaluation steps
-    # every convolution reads channels_last and runs in bfloat16 under autocast
-    assert all(call.channels_last and call.output == torch.bfloat16 and call.autocast for call in convs)
+    # every convolution reads channels_last input with channels_last weights (the model was converted, not
+    # only the images) and runs in bfloat16 under autocast
+    assert all(call.channels_last and call.weight_channels_last and call.output == torch.bfloat16 and call.autocast
+               for call in convs)
     assert not all(call.contiguous for call in convs)  # not merely images too small to tell the layouts apart
     # the head gets the bfloat16 features and runs our op in float32 (ext.Linear under CPU autocast)
     heads = [call for call in seen if call.kind == "Linear"]
