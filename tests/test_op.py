@@ -14,24 +14,49 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ext
 from conftest import num_threads
 
-# Sizes around every tile/block edge the CPU kernels may use (MR=6, NR=16, MC=72/144,
-# KC=256/384, powers of two), plus 1 and primes.
-EDGE_SIZES = [1, 2, 3, 5, 6, 7, 13, 15, 16, 17, 31, 32, 33, 63, 64, 65, 71, 72, 73,
-              127, 128, 129, 143, 144, 145, 255, 256, 257]
-K_SIZES = EDGE_SIZES + [383, 384, 385]
-LARGE_K = 3001  # prime, crosses several KC blocks
+
+def edge_sizes(*edges):
+    """Each size, one below and one above: where a tile or block ends."""
+    return sorted({size + delta for size in edges for delta in (-1, 0, 1)} - {0})
 
 
-def tolerance(dtype, reduction_len):
-    """Error bound for a dot product of reduction_len terms of unit-scale values."""
-    eps = torch.finfo(dtype).eps
-    return 8 * eps * max(reduction_len, 1)
+def block_edges(key):
+    """Every active path's size for key (ext.cpu_block_sizes), both dtypes."""
+    path = torch.ops.ext.cpu_path()
+    return {torch.ops.ext.cpu_block_sizes(path, dtype)[key] for dtype in ("float32", "float64")}
 
 
-def assert_close_to(ours, reference, reduction_len):
-    """ours against a float64 reference, with a tolerance that grows with the sum's length."""
-    tol = tolerance(ours.dtype, reduction_len)
-    torch.testing.assert_close(ours.double(), reference.double(), rtol=tol, atol=tol)
+# Sizes around every register tile and cache block edge of the kernels this CPU runs (read from
+# the extension, so they follow the kernels), plus 1, small primes and powers of two.
+EDGE_SIZES = edge_sizes(2, 3, 7, 13, 32, 64, 128, *block_edges("wide_mr"), *block_edges("wide_nr"),
+                        *block_edges("narrow_nr"), *block_edges("mc"), *block_edges("b_in_place_max_rows"))
+K_SIZES = edge_sizes(2, 3, 7, 13, 32, 64, 128, *block_edges("kc"), *block_edges("max_single_k_block"))
+LARGE_K = 3001  # prime, crosses several K blocks
+
+
+# How far a result may be from the float64 reference, from the arithmetic: a sum of n rounded terms
+# with random signs errs by at most LAMBDA * sqrt(n) * u * sum(|terms|) with probability at least
+# 1 - 2n exp(-LAMBDA^2 / 2) (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019), for any order of
+# summation, blocked or not, fused multiply-adds or not. u is the result dtype's unit roundoff,
+# plus float64's for the reference's own rounding. LAMBDA = 8 keeps a false failure below 1e-10
+# per element at n = 3001. (The worst-case bound, n * u, is sqrt(n) times looser.)
+LAMBDA = 8.0
+
+
+def rounding_bound(dtype, terms):
+    """The factor of sum(|terms|) that a sum of `terms` rounded terms (bias included) may err by."""
+    unit_roundoff = (torch.finfo(dtype).eps + torch.finfo(torch.float64).eps) / 2
+    return LAMBDA * math.sqrt(max(terms, 1)) * unit_roundoff
+
+
+def assert_within_rounding(ours, reference, magnitude, terms):
+    """Every element of ours within rounding_bound * magnitude (the sum of its terms' absolute
+    values) of the float64 reference."""
+    assert ours.shape == reference.shape
+    error = (ours.double() - reference.double()).abs()
+    allowed = rounding_bound(ours.dtype, terms) * magnitude.double()
+    worst = (error / allowed.clamp_min(torch.finfo(torch.float64).tiny)).max().item() if error.numel() else 0.0
+    assert (error <= allowed).all(), f"error up to {worst:.3g} x the bound of {terms} terms in {ours.dtype}"
 
 
 def make_operands(M, N, K, dtype, bias=True, transposed_input=False, transposed_weight=False,
@@ -62,12 +87,16 @@ def check_against_torch(fn, reference_fn, input, weight, bias):
     ours, our_grads = forward_and_grads(fn, input, weight, bias, grad_output)
     as64 = [t.double() if t is not None else None for t in (input, weight, bias)]
     expected, expected_grads = forward_and_grads(reference_fn, *as64, grad_output.double())
+    # The op is linear in each operand, so the same computation on absolute values gives each
+    # result's sum of |terms|: |X|·|W|ᵀ + |b|, |dY|·|W|, |dY|ᵀ·|X|, the column sums of |dY|.
+    abs64 = [t.abs() if t is not None else None for t in as64]
+    magnitude, grad_magnitudes = forward_and_grads(reference_fn, *abs64, grad_output.double().abs())
     assert ours.dtype == input.dtype and ours.shape == expected.shape
-    assert_close_to(ours, expected, K)
-    for got, want, reduction_len in zip(our_grads, expected_grads, (N, M, M), strict=True):
+    assert_within_rounding(ours, expected, magnitude, K + 1)
+    for got, want, size, reduction_len in zip(our_grads, expected_grads, grad_magnitudes, (N, M, M), strict=True):
         if want is not None:
             assert got is not None and got.shape == want.shape
-            assert_close_to(got, want, reduction_len)
+            assert_within_rounding(got, want, size, reduction_len)
 
 
 def torch_linear_relu(input, weight, bias):
@@ -93,7 +122,8 @@ def check_linear_relu_against_torch(input, weight, bias):
     output, because rounding may flip the sign of a pre-activation within rounding of 0."""
     ours = ext.linear_relu(input, weight, bias)
     as64 = [t.double() if t is not None else None for t in (input, weight, bias)]
-    assert_close_to(ours, torch_linear_relu(*as64), input.shape[-1])
+    magnitude = F.linear(*[t.abs() if t is not None else None for t in as64])
+    assert_within_rounding(ours, torch_linear_relu(*as64), magnitude, input.shape[-1] + 1)
     mask = (ours > 0).double()
     check_against_torch(ext.linear_relu, lambda x, w, b: F.linear(x, w, b) * mask, input, weight, bias)
 
