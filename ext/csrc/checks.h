@@ -17,9 +17,14 @@ inline void check_same_device_and_dtype(const char* op, const at::Tensor& a, con
               " but ", b_name, " is ", b.scalar_type(), "; cast both to the same dtype");
 }
 
-inline void check_dtype_for_device(const char* op, const at::Tensor& t) {
+// Which kernels a call runs: each family implements its own dtypes. Named by the caller rather
+// than read from the tensors' device, so the CUDA host code runs unchanged in the emulation tests
+// (tests/cuda_emu), where its tensors live on the CPU.
+enum class Kernels { Cpu, Cuda };
+
+inline void check_dtype(const char* op, const at::Tensor& t, Kernels kernels) {
   const auto dtype = t.scalar_type();
-  if (t.is_cpu()) {
+  if (kernels == Kernels::Cpu) {
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, op, ": dtype ", dtype,
                 " is not supported on the CPU; use float32 or float64");
   } else {
@@ -31,13 +36,13 @@ inline void check_dtype_for_device(const char* op, const at::Tensor& t) {
 
 // input (M x K), weight (N x K), bias (N) or none.
 inline void check_linear_args(const char* op, const at::Tensor& input, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias, Kernels kernels) {
   TORCH_CHECK(input.dim() == 2, op, ": input must be 2-D (batch x in_features), got shape ",
               input.sizes(), "; ext.linear accepts any number of leading dimensions");
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D (out_features x in_features), got shape ",
               weight.sizes());
   check_same_device_and_dtype(op, input, "input", weight, "weight");
-  check_dtype_for_device(op, input);
+  check_dtype(op, input, kernels);
   TORCH_CHECK(input.size(1) == weight.size(1), op, ": input has ", input.size(1),
               " features but weight expects ", weight.size(1), " (input shape ", input.sizes(),
               ", weight shape ", weight.sizes(), ")");
@@ -50,11 +55,11 @@ inline void check_linear_args(const char* op, const at::Tensor& input, const at:
 
 // grad_output (M x N) against a second operand whose rows (dim 0) must be M or N.
 inline void check_grad_args(const char* op, const at::Tensor& grad_output, const at::Tensor& other,
-                            const char* other_name, int64_t grad_dim, int64_t other_dim) {
+                            const char* other_name, int64_t grad_dim, int64_t other_dim, Kernels kernels) {
   TORCH_CHECK(grad_output.dim() == 2 && other.dim() == 2, op, ": grad_output and ", other_name,
               " must be 2-D, got shapes ", grad_output.sizes(), " and ", other.sizes());
   check_same_device_and_dtype(op, grad_output, "grad_output", other, other_name);
-  check_dtype_for_device(op, other);
+  check_dtype(op, other, kernels);
   TORCH_CHECK(grad_output.size(grad_dim) == other.size(other_dim), op, ": grad_output shape ",
               grad_output.sizes(), " does not match ", other_name, " shape ", other.sizes());
 }

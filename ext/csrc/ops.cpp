@@ -22,7 +22,7 @@ namespace {
 at::Tensor linear_cpu_impl(const at::Tensor& input, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias, bool relu) {
   const char* op = relu ? "ext.linear_relu" : "ext.linear";
-  check_linear_args(op, input, weight, bias);
+  check_linear_args(op, input, weight, bias, Kernels::Cpu);
   const int64_t M = input.size(0), K = input.size(1), N = weight.size(0);
   auto out = at::empty({M, N}, input.options());
   if (M == 0 || N == 0) return out;
@@ -49,7 +49,7 @@ at::Tensor linear_relu_cpu(const at::Tensor& input, const at::Tensor& weight,
 
 // dX (M x K) = dY (M x N) · W (N x K)
 at::Tensor linear_backward_input_cpu(const at::Tensor& grad_output, const at::Tensor& weight) {
-  check_grad_args("ext.linear_backward_input", grad_output, weight, "weight", 1, 0);
+  check_grad_args("ext.linear_backward_input", grad_output, weight, "weight", 1, 0, Kernels::Cpu);
   const int64_t M = grad_output.size(0), N = grad_output.size(1), K = weight.size(1);
   auto grad_input = at::empty({M, K}, grad_output.options());
   if (M == 0 || K == 0) return grad_input;
@@ -63,7 +63,7 @@ at::Tensor linear_backward_input_cpu(const at::Tensor& grad_output, const at::Te
 
 // dW (N x K) = dYᵀ (N x M) · X (M x K), packed straight from dY's strides.
 at::Tensor linear_backward_weight_cpu(const at::Tensor& grad_output, const at::Tensor& input) {
-  check_grad_args("ext.linear_backward_weight", grad_output, input, "input", 0, 0);
+  check_grad_args("ext.linear_backward_weight", grad_output, input, "input", 0, 0, Kernels::Cpu);
   const int64_t M = grad_output.size(0), N = grad_output.size(1), K = input.size(1);
   auto grad_weight = at::empty({N, K}, grad_output.options());
   if (N == 0 || K == 0) return grad_weight;
@@ -79,7 +79,7 @@ at::Tensor linear_backward_weight_cpu(const at::Tensor& grad_output, const at::T
 at::Tensor linear_backward_bias_cpu(const at::Tensor& grad_output) {
   TORCH_CHECK(grad_output.dim() == 2, "ext.linear_backward_bias: grad_output must be 2-D, got shape ",
               grad_output.sizes());
-  check_dtype_for_device("ext.linear_backward_bias", grad_output);
+  check_dtype("ext.linear_backward_bias", grad_output, Kernels::Cpu);
   const int64_t M = grad_output.size(0), N = grad_output.size(1);
   auto grad_bias = at::empty({N}, grad_output.options());
   if (N == 0) return grad_bias;

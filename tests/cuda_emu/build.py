@@ -5,6 +5,9 @@ Variants: "plain", ThreadSanitizer "tsan", AddressSanitizer "asan", and the deli
 broken kernels ("break_sync" under TSan, "break_bounds" under ASan, "break_barrier"),
 made by the EMU_BREAK_* switches in ext/csrc/cuda/gemm.cuh.
 
+Also the CUDA ops' host code (host_ops.cpp with ext/csrc/cuda/linear_host.h) as a torch
+extension: host_ops_library().
+
 Example:
     $ python tests/cuda_emu/build.py tsan      # prints the path of the built driver
 """
@@ -36,17 +39,22 @@ def build_root() -> Path:
 
 
 def _sources() -> list[Path]:
-    return sorted([*EMU_DIR.glob("*.h"), *EMU_DIR.glob("*.cpp"), *KERNEL_DIR.glob("*.cuh")])
+    return sorted([*EMU_DIR.glob("*.h"), *EMU_DIR.glob("*.cpp"), *KERNEL_DIR.glob("*.cuh"), *KERNEL_DIR.glob("*.h"),
+                   *KERNEL_DIR.parent.glob("*.h")])
+
+
+def _digest(flags) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for source in _sources():
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def driver_path(variant: str) -> Path:
     """The driver binary for `variant`, compiled now unless a build of the same sources exists."""
     flags = [*_COMMON_FLAGS, *VARIANT_FLAGS[variant]]
-    digest = hashlib.sha256(" ".join(flags).encode())
-    for source in _sources():
-        digest.update(source.name.encode())
-        digest.update(source.read_bytes())
-    binary = build_root() / f"driver-{variant}-{digest.hexdigest()[:16]}"
+    binary = build_root() / f"driver-{variant}-{_digest(flags)}"
     if binary.exists():
         return binary
     binary.parent.mkdir(parents=True, exist_ok=True)
@@ -57,6 +65,25 @@ def driver_path(variant: str) -> Path:
         raise RuntimeError(f"building the emulation driver ({variant}) failed:\n{' '.join(command)}\n{result.stderr}")
     os.replace(partial, binary)  # atomic: a concurrent build never sees half a binary
     return binary
+
+
+def host_ops_library() -> Path:
+    """Builds (once per version of the sources) and loads the ext_cuda_emu ops: the CUDA ops' real host
+    code on the CPU, its kernels emulated. Returns the library's path."""
+    import torch
+    import torch.utils.cpp_extension as cpp_extension
+
+    flags = ["-std=c++20", "-O2", "-Wall", "-Wno-unknown-pragmas"]
+    name = f"ext_cuda_emu_{_digest([*flags, torch.__version__])}"
+    directory = build_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}.so"
+    if not library.exists():  # cpp_extension's own lock keeps concurrent builds apart
+        cpp_extension.load(name, [str(EMU_DIR / "host_ops.cpp")], extra_cflags=flags,
+                           extra_include_paths=[str(EMU_DIR), str(KERNEL_DIR)], build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+    torch.ops.load_library(str(library))
+    return library
 
 
 if __name__ == "__main__":

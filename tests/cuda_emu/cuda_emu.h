@@ -22,6 +22,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -145,8 +147,14 @@ class Block {
 inline Block* running_block = nullptr;  // set before a block's threads start, so they all see it
 
 // kernel<<<grid, block>>>(args...): the blocks one after another, each as blockDim OS threads.
+// A grid CUDA would refuse (a zero dimension, y or z over 65535) is refused here too, as the
+// error a real launch reports, so host code that launches one fails its tests.
 template <typename... Params, typename... Args>
 void launch(dim3 grid, dim3 block, void (*kernel)(Params...), const Args&... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
+    throw std::runtime_error("emu: invalid configuration argument: grid (" + std::to_string(grid.x) + ", " +
+                             std::to_string(grid.y) + ", " + std::to_string(grid.z) + ")");
+  }
   const unsigned num_threads = block.x * block.y * block.z;
   for (unsigned bz = 0; bz < grid.z; ++bz) {
     for (unsigned by = 0; by < grid.y; ++by) {
