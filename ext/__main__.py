@@ -15,6 +15,14 @@ def _fma_peak_text(num_threads: int) -> str:
     return f"{peak_gflops:.0f} GFLOP/s float32 on {num_threads} threads (measured now)"
 
 
+def _block_sizes_text() -> str:
+    """The active path's float32 blocking, as the kernels use it (ext.cpu_block_sizes)."""
+    b = torch.ops.ext.cpu_block_sizes(torch.ops.ext.cpu_path(), "float32")
+    return (f"float32 tile {b['wide_mr']}x{b['wide_nr']} ({b['many_rows_mr']}x{b['many_rows_nr']} from "
+            f"{b['many_rows_min_rows']} rows), KC {b['kc']} (one block up to {b['max_single_k_block']}), "
+            f"MC {b['mc']}, NC {b['nc']}")
+
+
 def describe_build(manifest: dict) -> str:
     """The build's facts, one per line: versions, CPU path and peak, CUDA kernels, location."""
     kernels = manifest["kernels"]
@@ -25,6 +33,7 @@ def describe_build(manifest: dict) -> str:
         ("compiler", manifest["compiler"]),
         ("C++ flags", " ".join(manifest["cxx_flags"])),
         ("CPU code path", torch.ops.ext.cpu_path()),
+        ("CPU blocking", _block_sizes_text()),
         ("CPU threads", str(torch.get_num_threads())),
         ("FMA peak", _fma_peak_text(torch.get_num_threads())),
         ("kernels", kernels),
