@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ext  # noqa: F401  (loads the ops)
-from conftest import num_threads
+from conftest import assert_within_rounding, num_threads
 
 ops = torch.ops.ext
 
@@ -51,21 +51,23 @@ def make(rows, cols, dtype, layout, seed):
     return torch.randn(rows, 2 * cols, generator=gen, dtype=dtype)[:, ::2]
 
 
-def reference_linear(x, w, b, relu=False):
-    y = x.double() @ w.double().t()
-    if b is not None:
-        y = y + b.double()
-    return y.clamp_min(0) if relu else y
+def exact(a, b, bias=None, relu=False):
+    """A·B (+ bias, then ReLU) in float64, and each result's sum of its terms' magnitudes."""
+    a, b = a.double(), b.double()
+    value, magnitude = a @ b, a.abs() @ b.abs()
+    if bias is not None:
+        value, magnitude = value + bias.double(), magnitude + bias.double().abs()
+    return (value.clamp_min(0) if relu else value), magnitude
 
 
-def tolerance(dtype, depth):
-    # float64: near exact; float32: rounding grows with the length of each dot product.
-    return dict(rtol=0, atol=1e-12 * max(depth, 1)) if dtype == torch.float64 else \
-        dict(rtol=0, atol=2e-5 * max(depth, 1) ** 0.5)
+def column_sums(a):
+    """db's reference: the sum over rows, and the sum of magnitudes."""
+    return a.double().sum(0), a.double().abs().sum(0)
 
 
-def assert_close(actual, expected, dtype, depth):
-    torch.testing.assert_close(actual.double(), expected, **tolerance(dtype, depth))
+def assert_close(actual, expected, terms):
+    """actual within rounding of expected = (value, magnitude) (conftest.assert_within_rounding)."""
+    assert_within_rounding(actual, *expected, terms)
 
 
 def boundary_shapes(path, dtype):
@@ -123,11 +125,11 @@ def test_forward_and_backward_across_block_boundaries(path, dtype):
             x, w = make(m, k, dtype, "contiguous", seed), make(n, k, dtype, "contiguous", seed + 1000)
             b, dy = make(1, n, dtype, "contiguous", seed + 2000)[0], make(m, n, dtype, "contiguous", seed + 3000)
             shape = f"M={m} N={n} K={k}"
-            assert_close(ops.linear(x, w, b), reference_linear(x, w, b), dtype, k), shape
-            assert_close(ops.linear_relu(x, w, b), reference_linear(x, w, b, relu=True), dtype, k)
-            assert_close(ops.linear_backward_input(dy, w), dy.double() @ w.double(), dtype, n)
-            assert_close(ops.linear_backward_weight(dy, x), dy.double().t() @ x.double(), dtype, m)
-            assert_close(ops.linear_backward_bias(dy), dy.double().sum(0), dtype, m)
+            assert_close(ops.linear(x, w, b), exact(x, w.t(), b), k + 1), shape
+            assert_close(ops.linear_relu(x, w, b), exact(x, w.t(), b, relu=True), k + 1)
+            assert_close(ops.linear_backward_input(dy, w), exact(dy, w), n)
+            assert_close(ops.linear_backward_weight(dy, x), exact(dy.t(), x), m)
+            assert_close(ops.linear_backward_bias(dy), column_sums(dy), m)
 
 
 LAYOUTS = ["contiguous", "transposed", "strided"]
@@ -146,11 +148,11 @@ def test_strided_and_transposed_operands(path, dtype):
         for (m, n, k), x_layout, w_layout in itertools.product(shapes, LAYOUTS, LAYOUTS):
             x, w = make(m, k, dtype, x_layout, 1), make(n, k, dtype, w_layout, 2)
             dy, b = make(m, n, dtype, x_layout, 3), make(1, n, dtype, "contiguous", 4)[0]
-            assert_close(ops.linear(x, w, b), reference_linear(x, w, b), dtype, k)
-            assert_close(ops.linear_relu(x, w, None), reference_linear(x, w, None, relu=True), dtype, k)
-            assert_close(ops.linear_backward_input(dy, w), dy.double() @ w.double(), dtype, n)
-            assert_close(ops.linear_backward_weight(dy, x), dy.double().t() @ x.double(), dtype, m)
-            assert_close(ops.linear_backward_bias(dy), dy.double().sum(0), dtype, m)
+            assert_close(ops.linear(x, w, b), exact(x, w.t(), b), k + 1)
+            assert_close(ops.linear_relu(x, w, None), exact(x, w.t(), None, relu=True), k)
+            assert_close(ops.linear_backward_input(dy, w), exact(dy, w), n)
+            assert_close(ops.linear_backward_weight(dy, x), exact(dy.t(), x), m)
+            assert_close(ops.linear_backward_bias(dy), column_sums(dy), m)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -161,8 +163,8 @@ def test_bias_and_relu_epilogue(path):
     with cpu_path(path):
         relu_out = ops.linear_relu(x, w, b)
         assert (relu_out == 0).any() and (relu_out > 0).any()
-        assert_close(relu_out, reference_linear(x, w, b, relu=True), torch.float64, k)
-        assert_close(ops.linear(x, w, None), reference_linear(x, w, None), torch.float64, k)
+        assert_close(relu_out, exact(x, w.t(), b, relu=True), k + 1)
+        assert_close(ops.linear(x, w, None), exact(x, w.t()), k)
         # NaN propagates through the fused ReLU as through torch.relu.
         x_nan = x.clone()
         x_nan[3, 5] = float("nan")
@@ -184,9 +186,11 @@ def test_simd_paths_agree_with_portable(dtype):
     for path in PATHS:
         with cpu_path(path):
             results[path] = [ops.linear(x, w, b), ops.linear_backward_input(dy, w), ops.linear_backward_weight(dy, x)]
-    for path in PATHS[1:]:
-        for ours, portable, depth in zip(results[path], results["portable"], (k, n, m), strict=True):
-            torch.testing.assert_close(ours, portable, **tolerance(dtype, depth))
+    magnitudes = [exact(x, w.t(), b)[1], exact(dy, w)[1], exact(dy.t(), x)[1]]
+    for path in PATHS[1:]:  # two float results: each side's rounding counts
+        for ours, portable, magnitude, terms in zip(results[path], results["portable"], magnitudes, (k + 1, n, m),
+                                                    strict=True):
+            assert_within_rounding(ours, portable, magnitude, terms, reference_dtype=dtype)
 
 
 # Shapes above the parallel threshold, split by columns (wide N, or more rows than columns
@@ -278,13 +282,12 @@ def test_backward_on_more_threads_matches_one_thread_bit_for_bit(path, dtype):
                     with num_threads(count):
                         runs.append(grads())
             where = f"{path}: {batch}x{in_features}->{out_features}, {grad_layout} grad_output"
-            expected = [grad_output.double() @ weight.double(), grad_output.double().t() @ input.double(),
-                        grad_output.double().sum(0)]
+            expected = [exact(grad_output, weight), exact(grad_output.t(), input), column_sums(grad_output)]
             for shared in runs:
                 for name, one, two, reference, depth in zip(("dX", "dW", "db"), single, shared, expected,
                                                             (out_features, batch, batch), strict=True):
                     assert torch.equal(one, two), f"{name} differs on 1 and more threads ({where})"
-                    assert_close(two, reference, dtype, depth)
+                    assert_close(two, reference, depth)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -292,7 +295,7 @@ def test_sum_rows_over_many_columns(layout):
     # sum_rows splits columns into tasks of 1024 (gemm.cpp); cross that and use both inner loops.
     for m, n in [(1, 1), (3, 1023), (70, 1025), (300, 2049)]:
         dy = make(m, n, torch.float64, layout, m + n)
-        assert_close(ops.linear_backward_bias(dy), dy.sum(0), torch.float64, m)
+        assert_close(ops.linear_backward_bias(dy), column_sums(dy), m)
         with num_threads(1):
             single = ops.linear_backward_bias(dy.float())
         with num_threads(2):

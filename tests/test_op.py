@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ext
-from conftest import num_threads
+from conftest import assert_within_rounding, num_threads
 
 
 def edge_sizes(*edges):
@@ -32,31 +32,6 @@ EDGE_SIZES = edge_sizes(2, 3, 7, 13, 32, 64, 128, *block_edges("wide_mr"), *bloc
                         *block_edges("narrow_nr"), *block_edges("mc"), *block_edges("b_in_place_max_rows"))
 K_SIZES = edge_sizes(2, 3, 7, 13, 32, 64, 128, *block_edges("kc"), *block_edges("max_single_k_block"))
 LARGE_K = 3001  # prime, crosses several K blocks
-
-
-# How far a result may be from the float64 reference, from the arithmetic: a sum of n rounded terms
-# with random signs errs by at most LAMBDA * sqrt(n) * u * sum(|terms|) with probability at least
-# 1 - 2n exp(-LAMBDA^2 / 2) (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019), for any order of
-# summation, blocked or not, fused multiply-adds or not. u is the result dtype's unit roundoff,
-# plus float64's for the reference's own rounding. LAMBDA = 8 keeps a false failure below 1e-10
-# per element at n = 3001. (The worst-case bound, n * u, is sqrt(n) times looser.)
-LAMBDA = 8.0
-
-
-def rounding_bound(dtype, terms):
-    """The factor of sum(|terms|) that a sum of `terms` rounded terms (bias included) may err by."""
-    unit_roundoff = (torch.finfo(dtype).eps + torch.finfo(torch.float64).eps) / 2
-    return LAMBDA * math.sqrt(max(terms, 1)) * unit_roundoff
-
-
-def assert_within_rounding(ours, reference, magnitude, terms):
-    """Every element of ours within rounding_bound * magnitude (the sum of its terms' absolute
-    values) of the float64 reference."""
-    assert ours.shape == reference.shape
-    error = (ours.double() - reference.double()).abs()
-    allowed = rounding_bound(ours.dtype, terms) * magnitude.double()
-    worst = (error / allowed.clamp_min(torch.finfo(torch.float64).tiny)).max().item() if error.numel() else 0.0
-    assert (error <= allowed).all(), f"error up to {worst:.3g} x the bound of {terms} terms in {ours.dtype}"
 
 
 def make_operands(M, N, K, dtype, bias=True, transposed_input=False, transposed_weight=False,
