@@ -157,6 +157,7 @@ def fit(cfg, run_dir):
         overridden = overridden_keys()  # the settings this run's command line set: HParams columns
         epoch_times_s = []
         step_times_s = []  # each epoch's list of step times, for the interval around a speed ratio
+        warmup_epochs = [0]  # the first epoch of each process that trains the run warms up: not timed
         history = []  # each epoch's metrics, for summary.json
         global_step, best_val_acc = 0, -1.0
         if resumed:
@@ -166,6 +167,7 @@ def fit(cfg, run_dir):
             global_step, best_val_acc = resumed["global_step"], resumed["best_val_acc"]
             epoch_times_s, history = resumed["epoch_times_s"], checkpoint.current_history(resumed["history"])
             step_times_s = resumed.get("step_times_s", [])  # checkpoints written before step times: none
+            warmup_epochs = [*resumed.get("warmup_epochs", [0]), len(step_times_s)]  # this process warms up too
             overridden = resumed.get("overridden", overridden)  # the run's own command line, not the resume's
             log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
         for epoch in range(first_epoch, cfg.trainer.epochs + 1):
@@ -213,19 +215,19 @@ def fit(cfg, run_dir):
             state = checkpoint.training_state(
                 epoch, global_step, model, optimizer, scheduler, settings.scaler, data.order_generator(train_loader), cfg,
                 best_val_acc=best_val_acc, epoch_times_s=epoch_times_s, step_times_s=step_times_s, history=history,
-                overridden=overridden,
+                overridden=overridden, warmup_epochs=warmup_epochs,
             )
             if is_main:
                 checkpoint.save_epoch(state, run_dir, is_best)
 
         epoch_s_mean = sum(epoch_times_s) / len(epoch_times_s)
-        step_ms = mean_interval(timed_steps(step_times_s), scale=1000)
+        step_ms = mean_interval(timed_steps(step_times_s, warmup_epochs), scale=1000)
         log.info(f"final: val acc {val_acc:.2%} | mean epoch {epoch_s_mean:.3f} s, mean step {step_ms} ms | "
                  f"{description}")
         if is_main:
             write_scalars(writer, {"time/epoch_s_mean": epoch_s_mean}, cfg.trainer.epochs)
             write_hparams(writer, cfg, device, num_params, flop_share, overridden)
-            summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share)
+            summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share, warmup_epochs)
     return val_acc
 
 

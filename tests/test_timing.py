@@ -45,6 +45,9 @@ def test_the_interval_widens_with_the_noise_and_the_first_epoch_is_left_out():
     assert noisy.high - noisy.low > 3 * (calm.high - calm.low)
     assert timing.timed_steps([[9.0], [1.0, 2.0], [3.0]]) == [1.0, 2.0, 3.0]  # epoch 1 warms up
     assert timing.timed_steps([[1.0, 2.0]]) == [1.0, 2.0]  # a single epoch is all there is
+    # a run resumed after epoch 2: the resumed process's first epoch warms up too
+    assert timing.timed_steps([[9.0], [1.0], [8.0], [2.0]], warmup_epochs=[0, 2]) == [1.0, 2.0]
+    assert timing.timed_steps([[9.0], [8.0]], warmup_epochs=[0, 1]) == [9.0, 8.0]  # nothing else: all of it
     assert timing.speedup([], [1.0]) is None
 
 

@@ -3,7 +3,8 @@ one-line errors for files that cannot be used.
 
 A checkpoint is a dict saved with torch.save:
     epoch, global_step      the last complete epoch and the optimizer steps taken so far
-    best_val_acc, epoch_times_s, step_times_s, history, overridden   what the run's logs and summaries need
+    best_val_acc, epoch_times_s, step_times_s, warmup_epochs, history, overridden   what the run's logs and
+                            summaries need
     model, optimizer, scheduler, scaler   state_dicts (scaler: the AMP GradScaler's, None without AMP)
     rng                     every random generator training draws from (see rng_state)
     config                  the run's resolved config, as plain containers

@@ -33,6 +33,7 @@ JOB_FAILURE_NAME = "failed.txt"
 CSV_NAME = "summary.csv"
 MARKDOWN_NAME = "summary.md"
 STEP_TIMES_KEY = "time/step_s"  # each epoch's list of step times
+WARMUP_EPOCHS_KEY = "time/warmup_epochs"  # which of them warmed a process up (timing.timed_steps leaves them out)
 SPEEDUP_RUNS = "speedup"  # the sweep folder's TensorBoard runs of custom's speedup over torch, one per pair
 SPEEDUP_TAGS = ("time/step_speedup", "time/step_speedup_low", "time/step_speedup_high")  # value, 95% interval
 # Below this share of the FLOPs in the linear layers, a custom/torch ratio mostly times the rest of the network.
@@ -67,10 +68,10 @@ def write_text_atomic(path, text):
     os.replace(temporary, path)
 
 
-def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_flop_share=None):
+def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_flop_share=None, warmup_epochs=(0,)):
     """summary.json for a finished run, from its per-epoch metrics (a list of {tag: value}, one per epoch),
-    each epoch's step times (a list of lists, for the interval around a speed ratio) and the share of the
-    network's FLOPs in its linear layers.
+    each epoch's step times (a list of lists, for the interval around a speed ratio) with the epochs that
+    warmed a process up, and the share of the network's FLOPs in its linear layers.
 
     Example:
         >>> write_run_summary("outputs/try", [{"val/acc": 0.9, "time/epoch_s": 0.5, ...}], 200_000)
@@ -90,6 +91,7 @@ def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_fl
         summary["linear_flop_share"] = linear_flop_share
     if step_times_s is not None:
         summary[STEP_TIMES_KEY] = step_times_s
+        summary[WARMUP_EPOCHS_KEY] = list(warmup_epochs)
     write_text_atomic(Path(run_dir) / RUN_SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -154,7 +156,8 @@ def speedup(torch_row, custom_row):
     summaries written before step times were recorded."""
     if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
         return None
-    torch_steps, custom_steps = (timing.timed_steps(row[STEP_TIMES_KEY]) for row in (torch_row, custom_row))
+    torch_steps, custom_steps = (timing.timed_steps(row[STEP_TIMES_KEY], row.get(WARMUP_EPOCHS_KEY, [0]))
+                                 for row in (torch_row, custom_row))
     return timing.speedup(torch_steps, custom_steps, sequential=True)  # a sweep's jobs: one after the other
 
 

@@ -57,11 +57,12 @@ class StepClock:
         return [end - start for start, end in zip(self.marks, self.marks[1:])]
 
 
-def timed_steps(step_times_s):
-    """The steps a comparison uses, from a run's per-epoch lists: every epoch but the first, where there are
-    more (the first warms up)."""
-    epochs = step_times_s[1:] if len(step_times_s) > 1 else step_times_s
-    return [step for epoch in epochs for step in epoch]
+def timed_steps(step_times_s, warmup_epochs=(0,)):
+    """The steps a comparison uses, from a run's per-epoch lists: every epoch but those that warmed a process
+    up (`warmup_epochs`, 0-based: the first, and the first after each resume, ran with cold caches and
+    allocator), where any other is left."""
+    warm = [epoch for index, epoch in enumerate(step_times_s) if index not in set(warmup_epochs)]
+    return [step for epoch in (warm or step_times_s) for step in epoch]
 
 
 def bootstrap_means(steps, rng, samples=BOOTSTRAP_SAMPLES):
