@@ -6,6 +6,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,6 +69,37 @@ def test_torchrun_two_processes_reach_the_single_process_weights_and_write_one_r
     ddp_summary, single_summary = summary.read_run_summary(run_dir), summary.read_run_summary(single_dir)
     for tag in ("train/loss", "train/acc", "val/loss", "val/acc"):
         assert ddp_summary[tag] == pytest.approx(single_summary[tag], abs=1e-5), tag
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_on_two_nodes_meeting_at_a_master_address_reaches_the_single_process_weights(tmp_path):
+    # The README's two-node command, both "nodes" on this machine: node 0 hosts the rendezvous at
+    # 127.0.0.1, node 1 joins it; one process each, one thread each (two processes share 2 cores).
+    port = free_port()
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}", str(REPO / "train.py"), *DDP_OVERRIDES,
+         "trainer.threads=1"],
+        cwd=tmp_path / f"node{rank}",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    (run_dir,) = (tmp_path / "node0" / "outputs" / "runs").glob("*/*")
+    assert not (tmp_path / "node1" / "outputs").exists()  # the other node's rank wrote nothing
+    assert "cpu, 1 thread each, 2 processes (gloo)" in (run_dir / "train.log").read_text()
+    single_dir = tmp_path / "single"
+    train.fit(config.load_config(DDP_OVERRIDES), single_dir)
+    distributed, single = final_weights(run_dir), final_weights(single_dir)
+    for key in single:
+        torch.testing.assert_close(distributed[key], single[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_path):
