@@ -6,7 +6,9 @@ deliberately broken variants (EMU_BREAK_* switches in gemm.cuh) must each be cau
 
 Inputs are multiples of 1/4 in [-2, 2]: every product and sum is exact in float32, so each
 result must equal PyTorch's float64 result rounded to the dtype, bit for bit. That checks
-the indexing exactly, and the rounding of float16/bfloat16 stores too.
+the indexing exactly, and the rounding of float16/bfloat16 stores too. The arithmetic itself
+(which type accumulates, and when results are rounded) is checked at the end, on random
+inputs and long reductions.
 """
 import math
 import platform
