@@ -59,6 +59,7 @@ def test_hparams_show_the_configured_lr_and_both_linears(board):
     assert hparams["lr"]["domainInterval"] == {"minValue": 0.001, "maxValue": 0.001}  # not the scheduled rate
     assert sorted(hparams["linear"]["domainDiscrete"]) == ["custom", "torch"] and hparams["linear"]["differs"]
     assert hparams["linear_flop_share"]["domainInterval"]["minValue"] == 1.0
+    assert hparams["batch_size"]["domainDiscrete"] == ["64"] and hparams["epochs"]["domainDiscrete"] == ["2"]  # not 64.0000
     metrics = {info["name"]["tag"] for info in experiment["metricInfos"]}
     assert {"val/acc", "time/epoch_s_mean", "time/epoch_s"} <= metrics and "lr" not in metrics
 

@@ -71,8 +71,8 @@ def test_hparams_dashboard_has_the_runs_choices_and_final_metrics(digits_runs):
     assert {key: hparams[key] for key in ("model", "linear", "data", "optimizer", "scheduler")} == {
         "model": "mlp", "linear": "custom", "data": "digits", "optimizer": "AdamW", "scheduler": "CosineAnnealingLR"
     }
-    assert hparams["lr"] == 1e-3 and hparams["batch_size"] == 64 and hparams["epochs"] == EPOCHS
-    assert hparams["num_params"] == expected_params and hparams["linear_flop_share"] == 1.0  # all in its linears
+    assert hparams["lr"] == 1e-3 and hparams["batch_size"] == "64" and hparams["epochs"] == str(EPOCHS)
+    assert hparams["num_params"] == str(expected_params) and hparams["linear_flop_share"] == 1.0  # all in its linears
     assert "model.hidden_sizes" not in hparams  # no command line set it: the same in every run, no column
 
 
@@ -82,7 +82,7 @@ def test_hparams_add_what_the_command_line_set_readably():
                               ["model.hidden_sizes", "linear.fuse_relu", "optim", "trainer.epochs"])
     assert hparams["model.hidden_sizes"] == "[64, 32]" and hparams["linear.fuse_relu"] == "false"
     assert hparams["optimizer"] == "SGD" and "optim" not in hparams  # a group's choice is in the headline
-    assert "trainer.epochs" not in hparams and hparams["epochs"] == 20  # already a headline column
+    assert "trainer.epochs" not in hparams and hparams["epochs"] == "20"  # already a headline column
     assert "data.root" not in hparams  # settings nobody set stay out of the table
 
 

@@ -51,8 +51,9 @@ def describe_data(name, dataset):
 def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
     """The run's settings for TensorBoard's HParams dashboard: the headline choices, then each setting the
     command line set (`overridden`, dotted keys: what a sweep varies). Every other setting is the same in
-    every run of a sweep, and as columns would push the metrics off-screen. Booleans show as true/false
-    (as numbers TensorBoard shows 0.0000), lists as text."""
+    every run of a sweep, and as columns would push the metrics off-screen. Booleans show as true/false and
+    integers as their digits (TensorBoard shows every number with four decimals: 0.0000, 64.0000), lists as
+    text; TensorBoard then gives each of these a discrete domain of the values the runs have."""
     headline = {
         "model": cfg.model.name,
         "linear": cfg.linear.name,
@@ -66,6 +67,7 @@ def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
         "device": str(device),
         "num_params": num_params,
     }
+    headline = {key: readable(value) for key, value in headline.items()}
     if flop_share is not None:
         headline["linear_flop_share"] = flop_share
     in_headline = {"model.name", "linear.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
@@ -77,8 +79,13 @@ def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
             continue
         if isinstance(value, ListConfig):
             value = str(OmegaConf.to_container(value))
-        chosen[key] = str(value).lower() if isinstance(value, bool) else value
+        chosen[key] = readable(value)
     return headline | chosen
+
+
+def readable(value):
+    """A setting as the HParams table should show it: true/false, digits for integers, numbers as numbers."""
+    return str(value).lower() if isinstance(value, bool) else str(value) if isinstance(value, int) else value
 
 
 # TensorBoard's Custom Scalars dashboard: the headline curves of every run shown, one chart each, and a
