@@ -100,7 +100,8 @@ def resumed_run(cfg):
     """(config, run folder) for trainer.resume: the checkpoint's config with the command line's allowed
     overrides (checkpoint.RESUME_OVERRIDES), and the folder the checkpoint is in."""
     path = checkpoint.find(cfg.trainer.resume)
-    saved = checkpoint.load(path)["config"]
+    with logging_to(path.parent / "train.log") if world()[0] == 0 else nullcontext():  # a bad file's traceback
+        saved = checkpoint.load(path)["config"]
     try:
         cfg = checkpoint.resumed_config(saved, cfg, overridden_keys())
     except CheckpointError as error:  # a setting the command line may not change: a bad setting, exit code 2

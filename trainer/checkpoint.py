@@ -229,6 +229,15 @@ def plain_value(config, key):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+def comparable(key, value):
+    """The setting or group `value` at `key` without the settings a resume may change: `data=fake
+    data.root=/elsewhere` repeats the run's dataset, which only moved."""
+    if isinstance(value, dict):
+        return {name: comparable(f"{key}.{name}", entry) for name, entry in value.items()
+                if f"{key}.{name}" not in RESUME_OVERRIDES}
+    return value
+
+
 def resumed_config(saved, cfg, overridden_keys):
     """The config a resumed run continues with: the checkpoint's own (`saved`), plus settings it predates
     from `cfg`, plus the command line's `overridden_keys` that RESUME_OVERRIDES allows.
@@ -245,7 +254,7 @@ def resumed_config(saved, cfg, overridden_keys):
     # a group (data) that differs only by a refused setting inside it (data.train_size) is not named twice.
     changed = [key for key in dict.fromkeys(overridden_keys) if not any(
         key == allowed or key.startswith(f"{allowed}.") for allowed in RESUME_OVERRIDES
-    ) and plain_value(cfg, key) != plain_value(result, key)]
+    ) and comparable(key, plain_value(cfg, key)) != comparable(key, plain_value(result, key))]
     refused = [key for key in changed if not any(other.startswith(f"{key}.") for other in changed)]
     if refused:
         raise CheckpointError(
