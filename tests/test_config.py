@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch import nn
 
 import data
@@ -205,6 +206,11 @@ def test_choices_are_named_in_their_natural_order():
 
 
 def test_one_sweep_can_compare_torch_with_the_unfused_operator():
+    # by default linear=custom fuses Linear->ReLU: the unfused check below must have something to remove
+    default = config.load_config([])
+    fused = build.make_model(default, build.read_dataset(default.data), torch.device("cpu"))
+    assert [getattr(module, "activation", None) for module in fused.modules() if isinstance(module, ext.Linear)] == [
+        "relu", "relu", None]
     # -m linear=torch,custom linear.fuse_relu=false: the setting must exist for both linears
     for linear in ("torch", "custom"):
         cfg = config.load_config([f"linear={linear}", "linear.fuse_relu=false"])
@@ -212,3 +218,80 @@ def test_one_sweep_can_compare_torch_with_the_unfused_operator():
         assert cfg.linear.fuse_relu is False
     model = build.make_model(cfg, build.read_dataset(cfg.data), torch.device("cpu"))
     assert not any(getattr(module, "activation", None) for module in model.modules())  # no fused layer
+
+
+def test_the_documented_defaults():
+    # README's Configuration: what `python train.py` runs with when nothing is said
+    cfg = config.load_config([])
+    assert (cfg.model.name, cfg.linear.name, cfg.data.name) == ("mlp", "custom", "digits")
+    assert cfg.optim._target_ == "torch.optim.AdamW"
+    assert cfg.sched._target_ == "torch.optim.lr_scheduler.CosineAnnealingLR" and "search" not in cfg
+    assert (cfg.trainer.device, cfg.trainer.threads, cfg.data.loader) == ("auto", "auto", "memory")
+    with config.initialize_config_dir(str(config.CONF_DIR), version_base="1.3"):
+        hydra_cfg = config.compose("train", return_hydra_config=True).hydra
+    assert hydra_cfg.launcher._target_ == "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+@pytest.mark.parametrize("name", options("data"))
+def test_nothing_is_downloaded_unless_asked(name):
+    # "fetched only with data.download=true": every dataset starts offline
+    assert config.load_config([f"data={name}"]).data.download is False
+
+
+def test_data_root_defaults_to_the_cache_folder_or_LINEAR_LAB_DATA_DIR(tmp_path, monkeypatch):
+    # a tiny MNIST in each place, of different sizes, shows which folder a run reads
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LINEAR_LAB_DATA_DIR", raising=False)
+    write_tiny_mnist(tmp_path / "home" / ".cache" / "linear_lab" / "datasets", num_train=12)
+    write_tiny_mnist(tmp_path / "elsewhere", num_train=8)
+    cfg = config.load_config(["data=mnist"])
+    assert cfg.data.root == "~/.cache/linear_lab/datasets"
+    assert len(build.read_dataset(cfg.data).train_labels) == 12  # ~ is the user's home, not a folder named ~
+    monkeypatch.setenv("LINEAR_LAB_DATA_DIR", str(tmp_path / "elsewhere"))
+    cfg = config.load_config(["data=mnist"])
+    assert cfg.data.root == str(tmp_path / "elsewhere") and len(build.read_dataset(cfg.data).train_labels) == 8
+
+
+def test_auto_device_is_cuda_when_available_else_cpu(monkeypatch):
+    for available, device in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        assert build.pick_device("auto") == torch.device(device)
+    assert build.pick_device("cpu") == torch.device("cpu")  # a named device is taken as it is
+
+
+def test_amp_is_bfloat16_where_supported_else_float16_with_a_loss_scaler(monkeypatch):
+    cfg = config.load_config(["trainer.amp=true"])
+    cpu = build.step_settings(cfg, torch.device("cpu"))
+    assert cpu.autocast_dtype == torch.bfloat16 and not cpu.scaler.is_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # settings only: nothing runs on the GPU
+    for bfloat16, dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bfloat16)
+        gpu = build.step_settings(cfg, torch.device("cuda"))
+        assert gpu.autocast_dtype == dtype and gpu.scaler.is_enabled() == (dtype == torch.float16)
+    assert build.step_settings(config.load_config([]), torch.device("cpu")).autocast_dtype is None  # amp is off by default
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "tanh"])
+def test_every_documented_activation_is_accepted(activation):
+    cfg = config.load_config([f"model.activation={activation}", "linear=torch"])
+    config.validate(cfg)
+    net = build.make_model(cfg, build.read_dataset(cfg.data), torch.device("cpu"))
+    assert any(type(module).__name__.lower() == activation for module in net.modules())
+
+
+def test_fake_data_is_drawn_from_the_runs_seed():
+    def images(seed):
+        cfg = config.load_config(["data=fake", "data.train_size=8", "data.val_size=4", f"seed={seed}"])
+        return build.read_dataset(cfg.data).train_images
+
+    assert torch.equal(images(1), images(1)) and not torch.equal(images(1), images(2))
+
+
+def test_cfg_job_prints_the_whole_config(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "--cfg", "job"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = OmegaConf.create(result.stdout)
+    assert set(printed) == {"model", "linear", "data", "optim", "sched", "seed", "trainer"}
+    assert printed.trainer.epochs == 20 and printed.model.hidden_sizes == [256, 256]
+    assert not (tmp_path / "outputs").exists()  # printing runs nothing

@@ -1,8 +1,12 @@
 """Hostile input gets one clear line, a non-zero exit and loses nothing: NaN loss, full disk, bad
 checkpoints, missing or corrupt datasets, an unwritable data.root."""
 import errno
+import math
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,8 @@ import torch
 import train
 from trainer import checkpoint, config
 from test_resume import STEPS_PER_EPOCH, error_lines, scalars, train_command
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +172,66 @@ def test_unwritable_data_root_is_named_before_any_download(tmp_path):
     blocker.write_text("a file where data.root wants a folder")  # unwritable even for root, unlike chmod
     result = train_command(["data=mnist", "data.download=true", f"data.root={blocker / 'datasets'}"], tmp_path)
     assert_one_line_error(result, f"data.root={blocker / 'datasets'} cannot be written (", "set data.root to a writable folder")
+
+
+def test_an_infinite_loss_stops_the_run_like_a_nan(tmp_path, monkeypatch):
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def infinite_in_training(*args, **kwargs):  # evaluation runs without gradients
+        return cross_entropy(*args, **kwargs) + (math.inf if torch.is_grad_enabled() else 0)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", infinite_in_training)
+    with pytest.raises(train.RunStopped, match=r"^loss became inf in epoch 1, step 1 .*no epoch finished"):
+        train.fit(config.load_config(["trainer.epochs=1"]), tmp_path)
+    assert not (tmp_path / "last.pt").exists()
+
+
+# train.py with an error nobody foresaw in its first training step
+UNFORESEEN = """
+import runpy, sys
+import torch
+
+repo = sys.argv[1]
+sys.argv = [repo + "/train.py", *sys.argv[2:]]
+sys.path.insert(0, repo)
+
+def broken(*args, **kwargs):
+    raise RuntimeError("something\\nunforeseen")
+
+torch.nn.functional.cross_entropy = broken
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_an_unforeseen_error_is_one_line_exit_1_with_the_traceback_in_train_log(tmp_path):
+    script, run_dir = tmp_path / "broken_train.py", tmp_path / "run"
+    script.write_text(UNFORESEEN)
+    result = subprocess.run([sys.executable, str(script), str(REPO), "trainer.epochs=1", f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, "RuntimeError: something unforeseen", f"(traceback in {run_dir / 'train.log'})")
+    log_text = (run_dir / "train.log").read_text()
+    assert "Traceback" in log_text and "RuntimeError: something" in log_text
+
+
+def test_a_bad_value_in_a_range_sweep_fails_its_job_and_the_sweep_goes_on(tmp_path):
+    # range sweeps are checked in each job, not before the sweep: both jobs run, fail, and are listed
+    sweep_dir = tmp_path / "sweep"
+    result = train_command(["-m", "trainer.epochs=range(-1,1)", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    assert result.returncode == 1, result.stderr[-2000:]
+    jobs = sorted(path for path in sweep_dir.iterdir() if path.is_dir())
+    assert [(job / "failed.txt").read_text().strip() for job in jobs] == [
+        f"trainer.epochs={epochs} is invalid: it must be a positive integer" for epochs in (-1, 0)]
+    errors = error_lines(result)
+    assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)  # one line per job, one for the sweep
+    assert errors[0] == f"error: job {jobs[0].name}: trainer.epochs=-1 is invalid: it must be a positive integer"
+    assert errors[2].startswith("error: 2 job(s) failed") and "2 jobs, 2 failed" in (sweep_dir / "summary.md").read_text()
+
+
+def test_a_truncated_checkpoints_traceback_is_in_the_runs_train_log(tmp_path, good_run):
+    run_dir = tmp_path / "run"
+    shutil.copytree(good_run, run_dir)
+    content = (run_dir / "last.pt").read_bytes()
+    (run_dir / "last.pt").write_bytes(content[: len(content) // 2])
+    result = train_command([f"trainer.resume={run_dir}"], tmp_path)
+    assert_one_line_error(result, f"{run_dir / 'last.pt'} is truncated or corrupt")
+    assert "Traceback" in (run_dir / "train.log").read_text()

@@ -1,5 +1,6 @@
 """models/: ResNets match torchvision parameter for parameter; the MLP; both run with ext.Linear."""
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 import ext
 import models
+from trainer import build, config
 
 
 @pytest.mark.parametrize("depth", [18, 34, 50, 101, 152])
@@ -74,3 +76,13 @@ def test_unknown_model_is_a_clear_error():
         models.build_model("resnet19", num_classes=10)
     with pytest.raises(ValueError, match="no options"):
         models.build_model("resnet18", num_classes=10, hidden_sizes=[3])
+
+
+@pytest.mark.parametrize("image_size, small", [((64, 64), True), ((32, 8), True), ((65, 65), False), ((32, 65), False)])
+def test_the_trainer_gives_images_of_64_px_or_less_the_small_input_stem(image_size, small):
+    # the larger side decides: a 32x65 image is not small
+    dataset = SimpleNamespace(image_shape=(3, *image_size), num_classes=10)
+    net = build.network(config.load_config(["model=resnet18"]), dataset)
+    stem = net.stem[0]
+    assert (stem.kernel_size, stem.stride) == (((3, 3), (1, 1)) if small else ((7, 7), (2, 2)))
+    assert any(isinstance(module, nn.MaxPool2d) for module in net.modules()) is not small

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import data
 import train
-from trainer import build, checkpoint, config
+from trainer import build, checkpoint, config, summary
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -172,6 +172,9 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(tmp_path, reference,
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed after epoch 1 from {run_dir / 'last.pt'}" in resumed.stdout
     assert_same_run(run_dir, reference)
+    # the step times leave out each process's first epoch: the run's, and the resumed process's
+    assert summary.read_run_summary(run_dir)[summary.WARMUP_EPOCHS_KEY] == [0, 1]
+    assert summary.read_run_summary(reference)[summary.WARMUP_EPOCHS_KEY] == [0]
     assert not (tmp_path / "outputs").exists()  # the run went on in its own folder
 
 
@@ -368,3 +371,86 @@ def test_amp_loss_scale_survives_a_checkpoint():
 def test_a_checkpoint_from_before_the_tags_were_renamed_reads_as_today():
     old = [{"lr": 0.1, "throughput/train_samples_per_s": 5.0, "val/acc": 0.9}]
     assert checkpoint.current_history(old) == [{"train/lr": 0.1, "time/train_samples_per_s": 5.0, "val/acc": 0.9}]
+
+
+# README: "A resume may change only linear, trainer.device, trainer.threads, data.root, data.download and
+# data.num_workers; changing another setting is refused in one line."
+RESUMED_RUN = ["trainer.epochs=2"]
+
+
+def resumed_with(overrides):
+    """resumed_config for `python train.py trainer.resume=<a RESUMED_RUN run> <overrides>`."""
+    saved = OmegaConf.to_container(config.load_config(RESUMED_RUN), resolve=True)
+    command_line = ["trainer.resume=somewhere", *overrides]
+    return checkpoint.resumed_config(saved, config.load_config(command_line), [o.split("=")[0] for o in command_line])
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("linear=torch", "linear.name", "torch"),
+    ("trainer.device=cpu", "trainer.device", "cpu"),
+    ("trainer.threads=1", "trainer.threads", 1),
+    ("data.root=/elsewhere", "data.root", "/elsewhere"),
+    ("data.download=true", "data.download", True),
+    ("data.num_workers=2", "data.num_workers", 2),
+])
+def test_a_resume_may_change_where_it_runs_and_which_linear(override, key, value):
+    assert OmegaConf.select(resumed_with([override]), key) == value
+
+
+@pytest.mark.parametrize("override", [
+    "seed=1", "trainer.epochs=3", "trainer.amp=true", "trainer.compile=true", "trainer.channels_last=true",
+    "trainer.deterministic=true", "trainer.objective=val/loss", "model=resnet18", "model.hidden_sizes=[32]",
+    "model.dropout=0.1", "data=fake", "data.batch_size=32", "data.loader=dataloader", "data.val_fraction=0.5",
+    "optim=sgd", "optim.weight_decay=0.5", "sched=none",
+])
+def test_a_resume_refuses_every_other_change(override):
+    key = override.split("=")[0]
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^{re.escape(key)} cannot change when resuming.*changeable: "):
+        resumed_with([override])
+
+
+def test_a_resume_repeating_the_runs_dataset_may_still_move_data_root():
+    run = ["data=fake", "data.train_size=64", "trainer.epochs=2"]
+    saved = OmegaConf.to_container(config.load_config(run), resolve=True)
+    command_line = [*run, "data.root=/elsewhere", "trainer.resume=somewhere"]
+    cfg = checkpoint.resumed_config(saved, config.load_config(command_line), [o.split("=")[0] for o in command_line])
+    assert cfg.data.root == "/elsewhere"
+
+
+def test_a_checkpoint_restores_every_random_generator(monkeypatch):
+    # Python's, torch's CPU and CUDA generators (the CUDA one faked: settings only, no GPU) and the data order's
+    import io
+    import random
+
+    cuda_states = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [state.clone() for state in cuda_states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: cuda_states.__setitem__(slice(None), states))
+    loader_generator = torch.Generator().manual_seed(5)
+
+    def draws():
+        return random.random(), torch.rand(3), torch.rand(3, generator=loader_generator)
+
+    file = io.BytesIO()
+    torch.save(checkpoint.rng_state(loader_generator), file)  # as a checkpoint holds it, and loads it back
+    drawn = draws()
+    cuda_states[:] = [torch.tensor([9], dtype=torch.uint8)]
+    file.seek(0)
+    checkpoint.restore_rng(torch.load(file, weights_only=True), loader_generator)
+    again = draws()
+    assert again[0] == drawn[0] and torch.equal(again[1], drawn[1]) and torch.equal(again[2], drawn[2])
+    assert [state.tolist() for state in cuda_states] == [[1, 2, 3]]
+
+
+def test_eval_only_writes_nothing_but_train_log(tmp_path, reference):
+    # not even .hydra/ (the config the run started with), nor a folder where it was started
+    def files():
+        return {path.relative_to(reference): (path.stat().st_mtime_ns, path.stat().st_size)
+                for path in reference.rglob("*") if path.is_file()}
+
+    before = files()
+    result = train_command(["trainer.eval_only=true", f"trainer.resume={reference / 'best.pt'}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    after = files()
+    assert {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)} == {Path("train.log")}
+    assert not list(tmp_path.iterdir())

@@ -2,12 +2,17 @@
 import csv
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import config, summary
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def epoch(val_acc, epoch_s, samples_per_s):
@@ -156,3 +161,19 @@ def test_summaries_written_before_step_times_were_recorded_still_summarise(tmp_p
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))
     assert rows[1]["speedup_vs_torch"] == "" and rows[1]["verdict"] == "no step times recorded"
+
+
+def test_python_m_trainer_summary_rewrites_a_killed_sweeps_summary(tmp_path):
+    # the sweep was killed during job 1, then job 1 was rerun by hand: the command brings the summary up to date
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)], step_times_s=steps(0.02, seed=0))
+    make_job(tmp_path, 1, ["linear=custom"], "custom", [], finished=False)
+    assert "2 jobs, 1 failed" in summary.summarize_sweep(tmp_path)
+    summary.write_run_summary(tmp_path / "1_job", [epoch(0.92, 1.0, 20.0)], 1001, steps(0.01, seed=1))
+    result = subprocess.run([sys.executable, "-m", "trainer.summary", str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "2 jobs\n" in markdown and "## Failed jobs" not in markdown and "custom is faster" in markdown
+    assert result.stdout.strip() == markdown.strip()  # and printed
+    with open(tmp_path / "summary.csv") as file:
+        assert [row["error"] for row in csv.DictReader(file)] == ["", ""]

@@ -1,4 +1,5 @@
 """train.py end to end: accuracy on digits, TensorBoard and train.log contents, checkpoints, multirun."""
+import csv
 import os
 import pickle
 import re
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -103,6 +105,7 @@ def test_train_log_has_one_line_per_epoch_and_a_summary(digits_runs):
     assert [int(epoch) for epoch, _ in epochs] == list(range(1, EPOCHS + 1))
     final = re.findall(r"final: val acc ([\d.]+)% \| mean epoch [\d.]+ s, mean step [\d.e+]+ "
                        r"\(95% interval [\d.e+]+-[\d.e+]+\) ms \| (.*)", text)
+    assert " final: val acc " in text.splitlines()[-1]  # the log ends with it
     assert len(final) == 1 and float(final[0][0]) == pytest.approx(100 * val_acc, abs=0.005)
     assert final[0][1].startswith("mlp linear=custom on digits | AdamW lr=0.001")
     assert final[0][1].endswith("85,002 parameters | linear layers: 100% of its FLOPs")  # what the swap covers
@@ -117,6 +120,10 @@ def test_last_checkpoint_holds_the_final_state(digits_runs):
     plain = models.build_model("mlp", 10, 1, image_size=(8, 8))
     plain.load_state_dict(checkpoint["model"])  # a custom run's weights load into nn.Linear layers
     assert {"optimizer", "scheduler"} <= set(checkpoint) and not list(run_dir.glob("*.tmp"))
+    assert "scaler" in checkpoint and checkpoint["scaler"] is None  # AMP's loss scale; none without AMP
+    assert set(checkpoint["rng"]) == {"python", "torch", "cuda", "loader"}  # every generator, the data order's too
+    # the resolved config: a resume elsewhere (another $LINEAR_LAB_DATA_DIR, say) reads the run's own values
+    assert "${" not in repr(checkpoint["config"]) and checkpoint["config"]["data"]["root"].endswith("datasets")
 
 
 def test_ctrl_c_before_the_first_epoch_marks_the_folder_as_never_trained(tmp_path):
@@ -155,7 +162,10 @@ def test_single_run_folder_is_dated_and_named_after_its_choices(tmp_path):
     (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", run_dir.parent.name)
     assert re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}_mlp-custom-digits_optim\.lr=0\.002,trainer\.epochs=1", run_dir.name)
-    assert {"train.log", "last.pt", ".hydra"} <= {path.name for path in run_dir.iterdir()}
+    # the README's list: .hydra/ (config and overrides), train.log, the events, last.pt, best.pt, summary.json
+    assert {"train.log", "last.pt", "best.pt", "summary.json", ".hydra"} <= {path.name for path in run_dir.iterdir()}
+    assert OmegaConf.load(run_dir / ".hydra" / "config.yaml").optim.lr == 0.002
+    assert list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == ["trainer.epochs=1", "optim.lr=0.002"]
     assert list(run_dir.glob("events.out.tfevents.*"))
     assert "\r" not in result.stderr + result.stdout  # not a terminal: plain lines, no progress bars
     assert re.search(r"^epoch 1/1: train loss", result.stdout, re.MULTILINE)
@@ -167,8 +177,13 @@ def test_single_run_folder_is_dated_and_named_after_its_choices(tmp_path):
 
 
 def test_multirun_writes_one_folder_per_job(tmp_path):
-    run_train(["-m", "linear=torch,custom", "trainer.epochs=1"], cwd=tmp_path)
+    result = run_train(["-m", "linear=torch,custom", "trainer.epochs=1"], cwd=tmp_path)
     (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", sweep_dir.parent.name) and re.fullmatch(r"\d\d-\d\d-\d\d\.\d{3}", sweep_dir.name)
+    assert (sweep_dir / "summary.md").read_text() in result.stdout  # the summary is printed too
+    with open(sweep_dir / "summary.csv") as file:
+        assert [row["job"] for row in csv.DictReader(file)] == [
+            "0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
     folders = sorted(path.name for path in sweep_dir.iterdir() if path.is_dir())
     job_dirs = ["0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
     assert folders == [*job_dirs, "speedup"]  # and the pair's speedup curve, a TensorBoard run of its own
@@ -193,6 +208,21 @@ def test_long_run_names_are_cut_with_a_hash_that_keeps_them_distinct():
                for name in names)
 
 
+def test_run_names_are_cut_by_bytes_not_characters_the_same_way_every_time():
+    # 200 bytes fit as they are; one more is cut, and a name of 2-byte characters counts its bytes
+    fits = config.run_name("mlp", "custom", "fake", "x" * (config.MAX_RUN_NAME_BYTES - len("mlp-custom-fake_")))
+    assert len(fits.encode()) == config.MAX_RUN_NAME_BYTES and fits.endswith("x" * 50)
+    longer = config.run_name("mlp", "custom", "fake", "x" * (config.MAX_RUN_NAME_BYTES + 1 - len("mlp-custom-fake_")))
+    assert len(longer.encode()) == config.MAX_RUN_NAME_BYTES and not longer.endswith("x" * 50)
+    accented = "data.root=-" + "é" * 120  # 131 characters, 251 bytes
+    whole = f"mlp-custom-fake_{accented}"
+    cut = config.run_name("mlp", "custom", "fake", accented)
+    assert len(cut.encode()) <= config.MAX_RUN_NAME_BYTES and cut.startswith(whole[:100])
+    # a hash of the whole name: the same name every time (Hydra resolves it more than once), distinct tails apart
+    assert cut == config.run_name("mlp", "custom", "fake", accented)
+    assert cut != config.run_name("mlp", "custom", "fake", accented + "é")
+
+
 def test_a_run_with_many_overrides_gets_a_folder(tmp_path):
     many = ["optim.lr=0.0022881136684755237", "optim.weight_decay=0.007257005721594277",
             "model.dropout=0.18082901282149316", "model.hidden_sizes=[512,256,128]", "sched=onecycle",
@@ -203,6 +233,9 @@ def test_a_run_with_many_overrides_gets_a_folder(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
     assert (run_dir / "summary.json").is_file()
+    _, name = run_dir.name.split("_", 1)  # after the time: the name, cut to MAX_RUN_NAME_BYTES
+    assert len(name.encode()) == config.MAX_RUN_NAME_BYTES and "trainer.threads" not in name
+    assert "cpu, 1 thread |" in (run_dir / "train.log").read_text()  # trainer.threads=1 took effect
 
 
 def test_run_names_stay_single_folders():
