@@ -85,7 +85,9 @@ def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
 
 def readable(value):
     """A setting as the HParams table should show it: true/false, digits for integers, numbers as numbers."""
-    return str(value).lower() if isinstance(value, bool) else str(value) if isinstance(value, int) else value
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if isinstance(value, int) else value
 
 
 # TensorBoard's Custom Scalars dashboard: the headline curves of every run shown, one chart each, and a

@@ -61,7 +61,8 @@ def timed_steps(step_times_s, warmup_epochs=(0,)):
     """The steps a comparison uses, from a run's per-epoch lists: every epoch but those that warmed a process
     up (`warmup_epochs`, 0-based: the first, and the first after each resume, ran with cold caches and
     allocator), where any other is left."""
-    warm = [epoch for index, epoch in enumerate(step_times_s) if index not in set(warmup_epochs)]
+    cold = set(warmup_epochs)
+    warm = [epoch for index, epoch in enumerate(step_times_s) if index not in cold]
     return [step for epoch in (warm or step_times_s) for step in epoch]
 
 
