@@ -30,11 +30,14 @@ def pick_device(name):
 
 
 def threads_per_process(setting):
-    """torch's thread count for trainer.threads: "auto" shares the cores among the processes that run at
-    once on this machine (a parallel launcher's jobs, torchrun's ranks), so they do not oversubscribe."""
+    """torch's thread count for trainer.threads: "auto" shares the cores this process may use (in a SLURM job,
+    the CPUs the job was given) among the processes that run at once on this machine (a parallel launcher's
+    jobs, torchrun's ranks), so they do not oversubscribe."""
     if setting != "auto":
         return setting
     cores = len(os.sched_getaffinity(0))
+    if "SLURM_CPUS_PER_TASK" in os.environ:  # a SLURM job: its CPUs, also where the cluster does not pin them
+        cores = min(cores, int(os.environ["SLURM_CPUS_PER_TASK"]))
     n_jobs = OmegaConf.select(HydraConfig.get(), "launcher.n_jobs") if HydraConfig.initialized() else None
     if n_jobs is not None and n_jobs < 0:  # joblib's convention: -1 is all cores, -2 all but one, ...
         n_jobs = max(1, os.cpu_count() + 1 + n_jobs)

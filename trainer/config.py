@@ -76,7 +76,7 @@ def load_config(overrides=()):
         return compose("train", overrides=list(overrides))
 
 
-SLURM_LAUNCHERS = ("slurm", "submitit_slurm")  # conf/hydra/launcher/slurm.yaml and the plugin's own
+SLURM_LAUNCHERS = ("slurm", "slurm_gpu", "submitit_slurm")  # conf/hydra/launcher/ and the plugin's own
 
 
 def check_command_line(argv):
