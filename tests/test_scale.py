@@ -1,11 +1,10 @@
-"""Scaling out: torchrun + DDP, parallel (joblib) and cluster (submitit) sweeps, Optuna search, and the
+"""Scaling out: torchrun + DDP, parallel (joblib) Optuna search, and the
 AMP / compile / channels_last / deterministic switches."""
 import contextlib
 import csv
 import os
 import random
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -304,24 +303,3 @@ def test_deterministic_runs_seed_every_generator_and_give_identical_weights(tmp_
         torch.use_deterministic_algorithms(False)
     first, second = final_weights(tmp_path / "first"), final_weights(tmp_path / "second")
     assert all(torch.equal(first[key], second[key]) for key in first)
-
-
-def test_slurm_launcher_config_composes_with_its_cluster_settings():
-    with initialize_config_dir(str(config.CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
-                      return_hydra_config=True)
-    launcher = cfg.hydra.launcher
-    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert launcher.partition == "gpu" and launcher.timeout_min == 240
-    assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.nodes == 1
-
-
-def test_slurm_sweep_without_a_cluster_is_one_line_before_any_run_folder(tmp_path):
-    if shutil.which("sbatch"):
-        pytest.skip("this machine has SLURM's sbatch")
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=slurm", "linear=torch"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if "No CUDA runtime" not in line]
-    assert len(errors) == 1 and "sbatch is not on this machine's PATH" in errors[0]
-    assert not (tmp_path / "outputs").exists()
