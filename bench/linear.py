@@ -19,6 +19,7 @@ Example:
     python -m bench.linear --threads all,1 --markdown bench_linear.md
     python -m bench.linear --products --threads 1 --shapes '128x784->256'
     python -m bench.linear --cpu-path avx2+fma     # the AVX2 kernels (what a Zen3 runs) on this CPU
+    python -m bench.linear --peers --threads 2,1   # each product against torch, OpenBLAS and oneDNN (bench/peers.py)
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ _cpp_extension_log.setLevel(_level)
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
+from bench import peers  # noqa: E402
 from bench.machine import command_line, describe_cpu  # noqa: E402
 from trainer import memory  # noqa: E402
 
@@ -282,6 +284,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
     parser.add_argument("--products", action="store_true",
                         help="time the forward, dX, dW and db products alone (raw ops, no autograd)")
+    parser.add_argument("--peers", action="store_true",
+                        help="each product against torch, OpenBLAS and oneDNN, every library in its own process "
+                             "(bench/peers.py)")
     parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '128x256->10,512x784->256'")
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
@@ -293,6 +298,8 @@ def main(argv=None) -> None:
                         help="run ext's kernels on this path (default: the best this CPU has; the %% of peak stays "
                              "against the widest FMA the CPU has)")
     args = parser.parse_args(argv)
+    if args.peers and (args.cpu_path or args.products):
+        parser.error("--peers times the products on ext's best CPU path: leave out --cpu-path and --products")
     if args.cpu_path:
         try:
             torch.ops.ext.set_cpu_path(args.cpu_path)
@@ -308,7 +315,20 @@ def main(argv=None) -> None:
               f"malloc: {malloc}")
     print(header)
     markdown = [command_line("python -m bench.linear", argv), "", header, ""]
+    if args.peers:
+        peers.run(shapes, args.threads, min_run_time_s, rounds, markdown)
+    else:
+        markdown += against_torch(args, shapes, min_run_time_s, rounds)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(markdown))
+        print(f"\nmarkdown written to {args.markdown}")
 
+
+def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:
+    """ext against F.linear in this process, for each thread count, then on CUDA where there is a GPU:
+    prints the tables and returns them as markdown lines."""
+    markdown = []
     for count in args.threads:
         torch.set_num_threads(count)
         # The peak is read before the first shape and after each one, and the highest reading counts: one
@@ -345,11 +365,7 @@ def main(argv=None) -> None:
         skipped = "CUDA: skipped (torch.cuda.is_available() is False: this machine has no usable GPU)"
         print("\n" + skipped)
         markdown += [skipped, ""]
-
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(markdown))
-        print(f"\nmarkdown written to {args.markdown}")
+    return markdown
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 
 from trainer import memory
 from bench import linear as bench_linear
+from bench import peers
 from bench.machine import describe_cpu
 
 
@@ -158,3 +159,73 @@ def test_importing_the_benchmark_prints_no_cuda_home_warning():
                           cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert done.returncode == 0, done.stderr
     assert "No CUDA runtime" not in done.stderr
+
+
+@pytest.mark.parametrize("library", peers.LIBRARIES)
+def test_every_side_of_the_peers_benchmark_computes_the_product_it_is_timed_on(library):
+    shape = (33, 70, 17)
+    arrays = {name: torch.from_numpy(array).double() for name, array in peers.inputs(shape).items()}
+    expected = {"forward": arrays["x"] @ arrays["w"].T, "dX": arrays["dy"] @ arrays["w"],
+                "dW": arrays["dy"].T @ arrays["x"]}
+    if library != "openblas":  # numpy's matmul has no bias; the comparison gives it that much less work
+        expected["forward"] += arrays["b"]
+    for product, call in peers.calls(library, shape).items():
+        result = call()
+        result = torch.as_tensor(result.to_dense() if library == "onednn" else result).double()
+        assert result.shape == expected[product].shape == gemm_shape(shape, product)
+        torch.testing.assert_close(result, expected[product], rtol=1e-5, atol=1e-5, msg=f"{library} {product}")
+
+
+def gemm_shape(shape, product):
+    m, n, _ = peers.gemm_dims(shape, product)
+    return (m, n)
+
+
+def test_the_openblas_side_runs_without_the_variables_that_slow_it(monkeypatch):
+    clean = subprocess.run(
+        [sys.executable, "-c", "import numpy, threadpoolctl; "
+         "print([i['architecture'] for i in threadpoolctl.threadpool_info() if i['user_api'] == 'blas'][0])"],
+        capture_output=True, text=True, check=True,
+        env={k: v for k, v in os.environ.items() if k not in peers.OPENBLAS_SLOWING_VARIABLES}).stdout.strip()
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Prescott")  # a core older than any this project runs on
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "65536")
+    worker = peers.WorkerProcess("openblas")
+    try:
+        assert f"kernels for {clean}," in worker.description and clean != "Prescott"
+    finally:
+        worker.close()
+
+
+def test_a_peer_row_compares_ext_with_the_fastest_peer_round_by_round():
+    seconds = {"ext": [1.0, 2.0, 1.0], "torch": [1.5, 1.5, 1.5], "openblas": [1.2, 1.2, 3.0], "onednn": [9, 9, 9]}
+    row = peers.PeerRow((128, 512, 256), "dX", {side: sorted(times)[1] for side, times in seconds.items()}, seconds,
+                        peak_gflops=100.0)
+    assert row.best_peer == "openblas" and row.ratio == 1.2 / 1.0
+    assert row.round_ratios == [1.2, 0.6, 3.0]
+    assert peers.gemm_dims((128, 512, 256), "dX") == (128, 512, 256) and row.peak_goal_applies
+    assert row.peak_share == pytest.approx(2 * 128 * 512 * 256 / 1.0 / 1e9 / 100.0)
+    dw = peers.PeerRow((64, 256, 128), "dW", row.seconds, seconds, peak_gflops=100.0)
+    assert peers.gemm_dims((64, 256, 128), "dW") == (128, 256, 64) and not dw.peak_goal_applies  # K = batch 64
+
+
+def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_path, capsys):
+    markdown = tmp_path / "peers.md"
+    bench_linear.main(["--peers", "--threads", "1", "--shapes", "16x40->24", "--rounds", "2", "--min-run-time",
+                       "0.001", "--markdown", str(markdown)])
+    out = capsys.readouterr().out
+    text = markdown.read_text()
+    assert "sides, each in its own process: ext (CPU path" in out and "OpenBLAS" in out and "oneDNN v" in out
+    rows = [line for line in text.splitlines() if line.startswith("| 16x40->24 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["forward", "dX", "dW"]
+    for row in rows:
+        cells = row.strip("| ").split(" | ")
+        assert all(float(cells[index]) > 0 for index in range(4, 8))  # GFLOP/s of ext and the three peers
+        assert cells[8] in ("torch", "OpenBLAS", "oneDNN")
+    assert "- geomean ext/best peer over 3 products:" in text
+    assert "0 of the 0 products with M, N >= 128 and K >= 256 reach 90% of peak" in text
+
+
+def test_peers_mode_refuses_the_options_it_does_not_take(capsys):
+    with pytest.raises(SystemExit):
+        bench_linear.main(["--peers", "--products"])
+    assert "--peers times the products on ext's best CPU path" in capsys.readouterr().err

@@ -1,0 +1,325 @@
+"""ext's products against the best CPU libraries a user could pick, each library in its own process.
+
+    python -m bench.linear --peers --threads 2,1 --markdown bench_peers.md
+
+For each shape (batch x in -> out) and each product of a training step, the forward Y = X·Wᵀ (+ b for ext
+and oneDNN), dX = dY·W and dW = dYᵀ·X, it times:
+- ext: torch.ops.ext's raw ops (linear, linear_backward_input, linear_backward_weight);
+- torch: F.linear and torch.mm, torch's default (the BLAS torch was built with; MKL in the pip wheels);
+- OpenBLAS: numpy's matmul (the OpenBLAS numpy bundles, its own CPU detection; OPENBLAS_CORETYPE and
+  OPENBLAS_L2_SIZE are unset in its process only, as some machines here set them and they slow a current
+  OpenBLAS; threadpoolctl sets its threads and names the kernel it runs). Its forward has no bias add: the
+  comparison favours it slightly;
+- oneDNN: torch's mkldnn ops (mkldnn_linear, mkldnn_linear_backward_input/_weights) on tensors already in
+  oneDNN's layout, so no conversion is timed.
+
+Each library runs in a worker process of its own, because a library's idle threads spin: measured in one
+process with another, a side ran at a third of its speed. The parent asks the workers in turn, one at a time,
+in an order that rotates each round, and pauses between them (PAUSE_S) so that the last one's spinning
+threads have gone to sleep. A side's time is the median of its rounds' medians; ext/best is the best peer's
+time over ext's (above 1: ext is faster), with its range over the rounds; % of peak is ext's share of the
+FMA peak ext measures on this machine (the highest reading, taken before the first shape and after each).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+LIBRARIES = ("ext", "torch", "openblas", "onednn")
+PEERS = LIBRARIES[1:]
+LABELS = {"ext": "ext", "torch": "torch", "openblas": "OpenBLAS", "onednn": "oneDNN"}
+PRODUCTS = ("forward", "dX", "dW")
+PAUSE_S = 0.2  # OpenBLAS's threads spin ~0.1 s after a call (THREAD_TIMEOUT 2^28 cycles) before they sleep
+BLOCK_S = 0.01  # each timed block repeats the call until it lasts this long
+PEAK_GOAL = 0.90  # the issue's goal: ext at >= 90% of peak where the GEMM is big enough to reach it
+PEAK_GOAL_MIN = (128, 128, 256)  # ... that is, with M, N >= 128 and K >= 256
+OPENBLAS_SLOWING_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def gemm_dims(shape, product):
+    """(M, N, K) of a product of a linear layer of shape (batch, in, out)."""
+    batch, fan_in, fan_out = shape
+    return {"forward": (batch, fan_out, fan_in), "dX": (batch, fan_in, fan_out),
+            "dW": (fan_out, fan_in, batch)}[product]
+
+
+# ---- the worker side: one library, timing what the parent asks, in its own process
+
+def block_times(call, min_run_time_s):
+    """Seconds per call, one value per block of calls, for about min_run_time_s after two warm calls."""
+    call()
+    call()
+    number = 1
+    while True:  # calls per block: enough for BLOCK_S, so the timer's resolution does not matter
+        start = time.perf_counter()
+        for _ in range(number):
+            call()
+        elapsed = time.perf_counter() - start
+        if elapsed >= BLOCK_S:
+            break
+        number *= 2
+    times, total = [elapsed / number], elapsed
+    while total < min_run_time_s:
+        start = time.perf_counter()
+        for _ in range(number):
+            call()
+        elapsed = time.perf_counter() - start
+        times.append(elapsed / number)
+        total += elapsed
+    return times
+
+
+def inputs(shape):
+    """X, W, b and dY of a linear layer of shape (batch, in, out): float32 numpy arrays, the same for every
+    library (the torch sides share their memory)."""
+    import numpy as np
+
+    batch, fan_in, fan_out = shape
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((batch, fan_in), dtype=np.float32),
+            "w": rng.standard_normal((fan_out, fan_in), dtype=np.float32) / np.float32(math.sqrt(fan_in)),
+            "b": rng.standard_normal(fan_out, dtype=np.float32),
+            "dy": rng.standard_normal((batch, fan_out), dtype=np.float32)}
+
+
+def calls(library, shape):
+    """{product: call} for `library` on inputs(shape); each call returns the product (oneDNN's in its own
+    layout)."""
+    arrays = inputs(shape)
+    if library == "openblas":
+        import numpy as np
+
+        x, w, dy = arrays["x"], arrays["w"], arrays["dy"]
+        y, dx, dw = (np.empty((a.shape[0], b.shape[0]), np.float32) for a, b in ((x, w), (dy, w.T), (dy.T, x.T)))
+        # transposed views go to sgemm as its transpose flags: no copy is timed
+        return {"forward": lambda: np.matmul(x, w.T, out=y), "dX": lambda: np.matmul(dy, w, out=dx),
+                "dW": lambda: np.matmul(dy.T, x, out=dw)}
+    import torch
+    import torch.nn.functional as F
+
+    x, w, b, dy = (torch.from_numpy(arrays[name]) for name in ("x", "w", "b", "dy"))
+    if library == "ext":
+        importlib.import_module("ext")  # registers torch.ops.ext
+        ops = torch.ops.ext
+        return {"forward": lambda: ops.linear(x, w, b), "dX": lambda: ops.linear_backward_input(dy, w),
+                "dW": lambda: ops.linear_backward_weight(dy, x)}
+    if library == "torch":
+        return {"forward": lambda: F.linear(x, w, b), "dX": lambda: torch.mm(dy, w),
+                "dW": lambda: torch.mm(dy.t(), x)}
+    xm, wm, bm, dym = x.to_mkldnn(), w.to_mkldnn(), b.to_mkldnn(), dy.to_mkldnn()
+    aten = torch.ops.aten
+    return {"forward": lambda: torch._C._nn.mkldnn_linear(xm, wm, bm),
+            "dX": lambda: aten.mkldnn_linear_backward_input(list(x.shape), dym, w),
+            "dW": lambda: aten.mkldnn_linear_backward_weights(dym, xm, wm, False)[0]}
+
+
+class Worker:
+    """The library's side of the conversation: set threads, build a shape's calls, time one."""
+
+    def __init__(self, library):
+        from trainer import memory
+
+        memory.set_up(keep=True)  # as bench.linear and the trainer run: freed memory kept for reuse, every side alike
+        self.library = library
+        self.calls = {}
+        if library == "openblas":
+            import numpy as np  # noqa: F401  (loads OpenBLAS, for threadpoolctl to find)
+            from threadpoolctl import threadpool_info, threadpool_limits
+            self.set_threads = lambda count: threadpool_limits(limits=count, user_api="blas")
+            (blas,) = [info for info in threadpool_info() if info["user_api"] == "blas"]
+            self.description = (f"OpenBLAS {blas['version']} (numpy {np.__version__}), kernels for "
+                                f"{blas['architecture']}, {blas['threading_layer']} threads")
+        else:
+            import torch
+            self.set_threads = torch.set_num_threads
+            config = torch.__config__.show()
+            blas = re.search(r"BLAS_INFO=(\w+)", config)
+            onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
+            self.description = {
+                "ext": f"ext (CPU path {self.ext_path()})",
+                "torch": f"torch {torch.__version__} F.linear / torch.mm (BLAS: {blas[1] if blas else 'unknown'})",
+                "onednn": f"oneDNN {onednn[1] if onednn else ''} through torch's mkldnn ops",
+            }[self.library]
+
+    @staticmethod
+    def ext_path():
+        import torch
+
+        importlib.import_module("ext")
+        return torch.ops.ext.cpu_path()
+
+    def answer(self, request):
+        self.set_threads(request["threads"])
+        if request.get("peak"):
+            import torch
+            return {"peak_gflops": torch.ops.ext.fma_peak_gflops(request["threads"])}
+        shape = tuple(request["shape"])
+        if shape not in self.calls:
+            self.calls = {shape: calls(self.library, shape)}
+        return {"seconds": block_times(self.calls[shape][request["product"]], request["min_run_time"])}
+
+
+def worker_main(library):
+    """`python -m bench.peers <library>`: answer one JSON request per line on stdin, one per line on stdout."""
+    worker = Worker(library)
+    print(json.dumps({"description": worker.description}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(worker.answer(json.loads(line))), flush=True)
+
+
+# ---- the parent side
+
+class WorkerProcess:
+    def __init__(self, library):
+        env = dict(os.environ)
+        if library == "openblas":
+            for name in OPENBLAS_SLOWING_VARIABLES:
+                env.pop(name, None)
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.process = subprocess.Popen([sys.executable, "-m", "bench.peers", library], cwd=repo, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.description = self.receive()["description"]
+
+    def ask(self, **request):
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self.receive()
+
+    def receive(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a benchmark worker ended early (exit {self.process.wait()}); its error is above")
+        return json.loads(line)
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+@dataclass
+class PeerRow:
+    shape: tuple
+    product: str
+    seconds: dict  # library -> median of its round medians
+    round_seconds: dict  # library -> each round's median
+    peak_gflops: float = 0.0
+
+    @property
+    def flops(self):
+        m, n, k = gemm_dims(self.shape, self.product)
+        return 2 * m * n * k
+
+    @property
+    def best_peer(self):
+        return min(PEERS, key=lambda library: self.seconds[library])
+
+    @property
+    def ratio(self):
+        """The best peer's time over ext's: above 1, ext is faster."""
+        return self.seconds[self.best_peer] / self.seconds["ext"]
+
+    @property
+    def round_ratios(self):
+        return [peer / ours for peer, ours in zip(self.round_seconds[self.best_peer], self.round_seconds["ext"])]
+
+    @property
+    def peak_share(self):
+        return self.flops / self.seconds["ext"] / 1e9 / self.peak_gflops
+
+    @property
+    def peak_goal_applies(self):
+        return all(dim >= least for dim, least in zip(gemm_dims(self.shape, self.product), PEAK_GOAL_MIN))
+
+    def cells(self):
+        m, k, n = self.shape
+        gflops = [f"{self.flops / self.seconds[library] / 1e9:.0f}" for library in LIBRARIES]
+        low, high = min(self.round_ratios), max(self.round_ratios)
+        goal = "" if not self.peak_goal_applies else " (goal 90%)"
+        return [f"{m}x{k}->{n}", self.product, "x".join(map(str, gemm_dims(self.shape, self.product))),
+                f"{self.seconds['ext'] * 1e3:.3f}", *gflops, LABELS[self.best_peer], f"{self.ratio:.2f}",
+                f"{low:.2f}-{high:.2f}", f"{100 * self.peak_share:.0f}%{goal}"]
+
+
+HEADER = ["shape (batch x in->out)", "product", "M x N x K", "ext ms", "ext GFLOP/s", "torch GFLOP/s",
+          "OpenBLAS GFLOP/s", "oneDNN GFLOP/s", "best peer", "ext/best", "by round", "ext % of FMA peak"]
+
+
+def measure(workers, shapes, threads, min_run_time_s, rounds, progress=print):
+    """The rows of one thread count: every shape x product, the workers asked in rotating order."""
+    peaks = [workers["ext"].ask(threads=threads, peak=True)["peak_gflops"]]
+    rows = []
+    for shape in shapes:
+        for product in PRODUCTS:
+            per_round = {library: [] for library in LIBRARIES}
+            for index in range(rounds):
+                order = LIBRARIES[index % len(LIBRARIES):] + LIBRARIES[:index % len(LIBRARIES)]
+                for library in order:
+                    times = workers[library].ask(threads=threads, shape=shape, product=product,
+                                                 min_run_time=min_run_time_s)["seconds"]
+                    per_round[library].append(statistics.median(times))
+                    time.sleep(PAUSE_S)
+            rows.append(PeerRow(shape, product, {lib: statistics.median(t) for lib, t in per_round.items()},
+                                per_round))
+        peaks.append(workers["ext"].ask(threads=threads, peak=True)["peak_gflops"])
+        m, k, n = shape
+        progress(f"{m}x{k}->{n}: ext/best peer " + ", ".join(f"{r.product} {r.ratio:.2f} ({LABELS[r.best_peer]})"
+                                                             for r in rows[-len(PRODUCTS):]))
+    for row in rows:
+        row.peak_gflops = max(peaks)
+    return rows, peaks
+
+
+def summary_lines(rows):
+    ratios = [row.ratio for row in rows]
+    per_round = [math.exp(sum(map(math.log, values)) / len(values)) for values in zip(*(r.round_ratios for r in rows))]
+    lowest = min(rows, key=lambda row: row.ratio)
+    lines = [f"geomean ext/best peer over {len(rows)} products: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.2f}"
+             f" (by round {min(per_round):.2f}-{max(per_round):.2f}); lowest {lowest.ratio:.2f} "
+             f"({lowest.cells()[0]} {lowest.product}, best peer {LABELS[lowest.best_peer]})"]
+    behind = [row for row in rows if row.ratio < 1.0]
+    if behind:
+        lines.append("behind the best peer: " + ", ".join(
+            f"{row.cells()[0]} {row.product} {row.ratio:.2f} ({LABELS[row.best_peer]})" for row in behind))
+    short = [row for row in rows if row.peak_goal_applies and row.peak_share < PEAK_GOAL]
+    applies = sum(row.peak_goal_applies for row in rows)
+    lines.append(f"{applies - len(short)} of the {applies} products with M, N >= 128 and K >= 256 reach 90% of peak"
+                 + (": not " + ", ".join(f"{row.cells()[0]} {row.product} {100 * row.peak_share:.0f}%"
+                                         for row in short) if short else ""))
+    return lines
+
+
+def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
+    """Start the workers, measure each thread count, print and add to `markdown` (a list of lines)."""
+    workers = {library: WorkerProcess(library) for library in LIBRARIES}
+    try:
+        sides = "; ".join(workers[library].description for library in LIBRARIES)
+        print(f"sides, each in its own process: {sides}")
+        markdown += [f"Sides, each in its own process: {sides}.", ""]
+        for threads in thread_counts:
+            rows, peaks = measure(workers, shapes, threads, min_run_time_s, rounds,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+            title = (f"CPU, {threads} thread{'s' if threads != 1 else ''}: ext against the best peer (measured FMA "
+                     f"peak {max(peaks):.0f} GFLOP/s: the highest of {len(peaks)} readings, the lowest "
+                     f"{min(peaks):.0f})")
+            table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+            table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+            summary = summary_lines(rows)
+            print(f"\n== {title} ==")
+            print("\n".join(table))
+            print("\n".join(summary), flush=True)
+            markdown += [f"### {title}", "", *table, "", *[f"- {line}" for line in summary], ""]
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1])
