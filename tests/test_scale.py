@@ -105,7 +105,7 @@ def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_p
     # a fresh extension cache: the parent builds once, before the jobs start; the jobs only load it
     result = run(
         [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-         "linear=torch,custom", "trainer.epochs=1"],
+         "linear=torch,custom", "trainer.epochs=40"],  # 1-2 s each: both run while the other does
         cwd=tmp_path, env={"LINEAR_LAB_BUILD_DIR": str(tmp_path / "cache")},
     )
     assert result.stderr.count("building the extension") == 1 and "waiting for process" not in result.stderr
@@ -118,9 +118,8 @@ def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_p
     assert [row["linear"] for row in rows] == ["torch", "custom"]
     assert float(rows[1]["speedup_vs_torch"]) > 0 and rows[0]["speedup_vs_torch"] == ""
     assert float(rows[1]["speedup_low"]) <= float(rows[1]["speedup_vs_torch"]) <= float(rows[1]["speedup_high"])
-    assert rows[1]["verdict"].startswith("too short to time")  # one epoch of 8x8 digits: well under a second
     markdown = (sweep_dir / "summary.md").read_text()
-    assert re.search(r"\| `trainer.epochs=1` \| [\d.]+x \| [\d.]+-[\d.]+ \| too short to time [^|]+ \| "
+    assert re.search(r"\| `trainer.epochs=40` \| [\d.]+x \| [\d.]+-[\d.]+ \| [^|]+ \| "
                      r"100% of the FLOPs \| [+-][\d.]+ points \|", markdown)
     assert markdown.strip() in result.stdout  # printed at the end of the sweep
     threads = max(1, len(os.sched_getaffinity(0)) // 2)

@@ -136,6 +136,9 @@ def test_jobs_slurm_kills_are_listed_with_their_state_and_the_command_that_rerun
         assert f"error: job {row['job']}: SLURM ended job" in stderr
     markdown = (tmp_path / "sweep" / "summary.md").read_text()
     assert "3 jobs, 2 failed" in markdown and markdown in stdout
+    # no USR2 "time limit near" (it is for requeues, and SLURM may send it in a job's first second, killing it)
+    (script,) = (tmp_path / "sweep" / ".submitit").glob("*/*_submission.sh")
+    assert "#SBATCH --signal=URG@1" in script.read_text() and "USR2" not in script.read_text()
     states = dict(accounted_jobs(cluster))
     assert (states[f"{array}_1"], states[f"{array}_2"]) == ("CANCELLED by 0", "TIMEOUT")
 

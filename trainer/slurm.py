@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -55,9 +54,13 @@ def launch(launcher, job_overrides, initial_job_idx):
 
     check_request(launcher.params)
     params = dict(launcher.params)
-    # submitit asks SLURM for USR2 this long before the time limit; sent before the job's Python is up, it
-    # kills the job (a 1-minute limit and the default 120 s). Never more than half the limit.
-    params["signal_delay_s"] = min(params["signal_delay_s"], 30 * params["timeout_min"])
+    if not params["max_num_timeout"]:
+        # submitit always asks SLURM for USR2 signal_delay_s before the time limit, to requeue the job. Without
+        # requeues it has nothing to do, and it hurts: SLURM may send it up to a minute early, and sent before
+        # the job's Python has its handler it kills the job (seen with 1-minute limits); sent later, submitit
+        # raises an error into the training loop. So ask for SIGURG, which a process ignores unless it asks
+        # for it: SLURM then ends the job at its limit, and the sweep reports it as TIMEOUT.
+        params["additional_parameters"] = {"signal": "URG@1", **(params["additional_parameters"] or {})}
     executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
                                      slurm_max_num_timeout=params.pop("max_num_timeout"))
     shared = set(OmegaConf.structured(BaseQueueConf).keys())  # the plugin's naming of the parameters
@@ -128,15 +131,6 @@ def job_folder(launcher, number, overrides):
         OmegaConf.save(OmegaConf.create({"hydra": config.hydra}), hydra_dir / "hydra.yaml")
         OmegaConf.save(OmegaConf.create(list(overrides)), hydra_dir / "overrides.yaml")
     return job_dir
-
-
-def leave_the_time_limit_to_slurm(params):
-    """In a job: ignore submitit's USR2 ("the time limit is near") unless the sweep asked for requeues
-    (max_num_timeout > 0). submitit would raise an error into the training loop at that moment, and the job
-    would end as if it had failed; instead SLURM ends it at its limit, and the sweep reports it as TIMEOUT
-    with the command that reruns it with a longer one."""
-    if not params.get("max_num_timeout"):
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def wait_for(jobs):

@@ -7,13 +7,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 class SlurmLauncher(SubmititSlurmLauncher):
     """The submitit plugin's SLURM launcher, checked before it submits and tolerant of killed jobs."""
 
-    def launch(self, job_overrides, initial_job_idx):  # on the machine the sweep was started from
+    def launch(self, job_overrides, initial_job_idx):
         from trainer import slurm
 
         return slurm.launch(self, job_overrides, initial_job_idx)
-
-    def __call__(self, *args, **kwargs):  # in the job, on a node of the cluster
-        from trainer import slurm
-
-        slurm.leave_the_time_limit_to_slurm(self.params)
-        return super().__call__(*args, **kwargs)
