@@ -9,4 +9,6 @@
     summary       summary.json per run, summary.md/.csv per sweep (`python -m trainer.summary <sweep folder>`)
     timing        step times, and the interval and verdict of a speed ratio
     memory        glibc malloc settings that keep freed memory in the process
+    slurm         sweeps on a SLURM cluster: requests checked before submitting, killed jobs summarised
+                  (the launcher class Hydra loads is hydra_plugins/linear_lab/slurm_launcher.py)
 """
