@@ -1,6 +1,7 @@
 """Sweeps on a SLURM cluster: `hydra/launcher=slurm` (CPU jobs) and `hydra/launcher=slurm_gpu`.
 
-The launcher (hydra_plugins/linear_lab/slurm_launcher.py, its work here) is the submitit plugin's, with what a sweep needs on a real cluster:
+The launcher (hydra_plugins/linear_lab/slurm_launcher.py; its work is here) is the submitit plugin's, with
+what a sweep needs on a real cluster:
 - a request no node can meet (more CPUs, memory or GPUs per node than the partition's largest node has)
   ends in one line before anything is submitted, and so does a controller that does not answer; sbatch's
   own refusal (e.g. a partition's limits, EnforcePartLimits) is one line too, not submitit's traceback;
