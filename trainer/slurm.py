@@ -153,12 +153,12 @@ def check_request(params):
     try:
         result = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%P|%c|%m|%G"],
                                 capture_output=True, text=True, timeout=SINFO_TIMEOUT_S)
+        problem = result.stderr if result.returncode != 0 else None
     except (OSError, subprocess.TimeoutExpired) as error:
-        fail(f"the SLURM cluster does not answer (sinfo: {last_line(error)}); check that its controller runs "
+        problem = error
+    if problem is not None:
+        fail(f"the SLURM cluster does not answer (sinfo: {last_line(problem)}); check that its controller runs "
              "and SLURM_CONF, or drop hydra/launcher to run the sweep here", 1)
-    if result.returncode != 0:
-        fail(f"the SLURM cluster does not answer (sinfo: {last_line(result.stderr)}); check that its "
-             "controller runs and SLURM_CONF, or drop hydra/launcher to run the sweep here", 1)
     nodes = [line.split("|") for line in result.stdout.split()]
     partition = params.get("partition")
     if partition is None:
