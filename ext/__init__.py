@@ -12,7 +12,8 @@ from ext._build import BuildError, load_library
 
 build_manifest = load_library()
 
-from ext.modules import Linear, replace_linears  # noqa: E402  (needs the loaded ops)
+from ext.conv import conv2d  # noqa: E402  (needs the loaded ops)
+from ext.modules import Linear, replace_linears  # noqa: E402
 from ext.ops import linear, linear_relu  # noqa: E402
 
-__all__ = ["BuildError", "Linear", "build_manifest", "linear", "linear_relu", "replace_linears"]
+__all__ = ["BuildError", "Linear", "build_manifest", "conv2d", "linear", "linear_relu", "replace_linears"]

@@ -161,9 +161,13 @@ void dense_only(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // The ops that take tensors; the path and peak ops take none.
 constexpr const char* kTensorOps[] = {"linear", "linear_relu", "linear_backward_input", "linear_backward_weight",
                                       "linear_backward_bias"};
+// The convolution's (conv_ops.cpp), which has no CUDA kernels yet and says so itself.
+constexpr const char* kConvOps[] = {"conv2d", "conv2d_backward_input", "conv2d_backward_weight",
+                                    "conv2d_backward_bias"};
 
 void refuse_non_dense(torch::Library& m) {
   for (const char* name : kTensorOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&dense_only>());
+  for (const char* name : kConvOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&dense_only>());
 }
 
 #ifndef LINEAR_LAB_WITH_CUDA
@@ -184,6 +188,13 @@ TORCH_LIBRARY(ext, m) {
   m.def("linear_backward_input(Tensor grad_output, Tensor weight) -> Tensor");
   m.def("linear_backward_weight(Tensor grad_output, Tensor input) -> Tensor");
   m.def("linear_backward_bias(Tensor grad_output) -> Tensor");
+  // padding is [top, bottom, left, right] (conv_ops.cpp); ext.conv2d takes F.conv2d's forms.
+  m.def("conv2d(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[4] padding, int[2] dilation) -> Tensor");
+  m.def("conv2d_backward_input(Tensor grad_output, Tensor weight, int[4] input_size, int[2] stride, int[4] padding, "
+        "int[2] dilation) -> Tensor");
+  m.def("conv2d_backward_weight(Tensor grad_output, Tensor input, int[4] weight_size, int[2] stride, "
+        "int[4] padding, int[2] dilation) -> Tensor");
+  m.def("conv2d_backward_bias(Tensor grad_output) -> Tensor");
   // CPU code-path selection, for `python -m ext` and the path-agreement tests.
   m.def("cpu_path() -> str", &cpu_path);
   m.def("set_cpu_path(str name) -> ()", &set_cpu_path);

@@ -247,7 +247,8 @@ template <typename T>
 void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_bytes, int64_t m0, int64_t m1,
                int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
-               const T* bias, bool relu, T* C, int64_t ldc, const T* shared_packed_a = nullptr) {
+               const T* bias, bool relu, T* C, int64_t ldc, bool accumulate_c,
+               const T* shared_packed_a = nullptr) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
@@ -314,7 +315,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
       const T* b_block = B + pc * b_rs + jc * b_cs;
       if (!read_b_in_place && !pack_b_per_panel) uk.pack_b(b_block, b_rs, b_cs, kc, nc, packed_b);
       tile.kc = kc;
-      tile.accumulate = pc > 0;
+      tile.accumulate = pc > 0 || accumulate_c;
       tile.relu = relu && pc + kc == K;
       for (int64_t ic = m0; ic < m1; ic += MC) {
         const int64_t mc = std::min(MC, m1 - ic);
@@ -439,9 +440,10 @@ template <typename T>
 void gemm(int64_t M, int64_t N, int64_t K,
           const T* A, int64_t a_rs, int64_t a_cs,
           const T* B, int64_t b_rs, int64_t b_cs,
-          const T* bias, bool relu, T* C, int64_t ldc) {
+          const T* bias, bool relu, T* C, int64_t ldc, bool accumulate) {
   if (M == 0 || N == 0) return;
-  if (K == 0) return fill_bias(M, N, bias, relu, C, ldc);
+  if (accumulate && bias) throw std::logic_error("ext::cpu::gemm: accumulate takes no bias");
+  if (K == 0) return accumulate ? void() : fill_bias(M, N, bias, relu, C, ldc);
   const Microkernel<T>& uk = microkernel_for<T>(M, N);
   const int64_t MC = block_rows(g_active_path), single_bytes = single_block_bytes(g_active_path);
   const int64_t m_panels = (M + uk.mr - 1) / uk.mr, n_panels = (N + uk.nr - 1) / uk.nr;
@@ -461,13 +463,14 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const bool read_a_in_place = reads_a_in_place(a_cs);
   const bool split_columns = n_panels >= threads && (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
-  if (slabs == 1) return gemm_slab(uk, MC, single_bytes, 0, M, 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias, relu, C, ldc);
+  if (slabs == 1)
+    return gemm_slab(uk, MC, single_bytes, 0, M, 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias, relu, C, ldc, accumulate);
   if (!split_columns) {
     at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
       for (int64_t slab = first; slab < last; ++slab)
         gemm_slab(uk, MC, single_bytes, m_panels * slab / slabs * uk.mr,
                   std::min(M, m_panels * (slab + 1) / slabs * uk.mr), 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias,
-                  relu, C, ldc);
+                  relu, C, ldc, accumulate);
     });
     return;
   }
@@ -487,7 +490,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   for (int64_t slab = 0; slab < slabs; ++slab) {
     const int64_t n0 = vectors * slab / slabs * uk.lanes, n1 = std::min(N, vectors * (slab + 1) / slabs * uk.lanes);
     slab_panels.emplace_back(M, n1 - n0, K, A, a_rs, a_cs, B + n0 * b_cs, b_rs, b_cs, bias ? bias + n0 : nullptr, relu,
-                             C + n0, ldc, 1);
+                             C + n0, ldc, 1, accumulate);
   }
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
     for (int64_t slab = first; slab < last; ++slab)
@@ -498,9 +501,10 @@ void gemm(int64_t M, int64_t N, int64_t K,
 template <typename T>
 ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride,
                               int64_t a_col_stride, const T* B, int64_t b_row_stride, int64_t b_col_stride,
-                              const T* bias, bool relu, T* C, int64_t ldc, int64_t panels_per_chunk)
+                              const T* bias, bool relu, T* C, int64_t ldc, int64_t panels_per_chunk,
+                              bool accumulate)
     : M_(M), N_(N), K_(K), A_(A), a_rs_(a_row_stride), a_cs_(a_col_stride), B_(B), b_rs_(b_row_stride),
-      b_cs_(b_col_stride), bias_(bias), relu_(relu), C_(C), ldc_(ldc) {
+      b_cs_(b_col_stride), bias_(bias), relu_(relu), C_(C), accumulate_(accumulate), ldc_(ldc) {
   // One chunk when A's rows make more than one block of gemm_slab (each chunk would run the
   // row blocks again, and re-read or re-pack all of A), when a packed A is deeper than one K
   // block (each chunk would pack it again), and when gemm_slab writes C row after row (chunks
@@ -534,10 +538,10 @@ void ColumnChunks<T>::run() {
     if (share_packed_a_) {
       // The tile of the whole product, so that A's panels are those packed for it.
       gemm_slab<T>(microkernel_for<T>(M_, N_), block_rows(g_active_path), single_block_bytes(g_active_path), 0, M_,
-                   n0, n1, K_, A_, a_rs_, a_cs_, B_, b_rs_, b_cs_, bias_, relu_, C_, ldc_, packed_a());
+                   n0, n1, K_, A_, a_rs_, a_cs_, B_, b_rs_, b_cs_, bias_, relu_, C_, ldc_, accumulate_, packed_a());
     } else {
       gemm<T>(M_, n1 - n0, K_, A_, a_rs_, a_cs_, B_ + n0 * b_cs_, b_rs_, b_cs_, bias_ ? bias_ + n0 : nullptr, relu_,
-              C_ + n0, ldc_);
+              C_ + n0, ldc_, accumulate_);
     }
   }
 }
@@ -597,9 +601,9 @@ template BlockSizes block_sizes<float>(CpuPath);
 template BlockSizes block_sizes<double>(CpuPath);
 
 template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
-                          const float*, int64_t, int64_t, const float*, bool, float*, int64_t);
+                          const float*, int64_t, int64_t, const float*, bool, float*, int64_t, bool);
 template void gemm<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t,
-                           const double*, int64_t, int64_t, const double*, bool, double*, int64_t);
+                           const double*, int64_t, int64_t, const double*, bool, double*, int64_t, bool);
 template void sum_rows<float>(int64_t, int64_t, const float*, int64_t, int64_t, float*);
 template void sum_rows<double>(int64_t, int64_t, const double*, int64_t, int64_t, double*);
 

@@ -20,7 +20,8 @@ constexpr double kParallelMinFlops = 5e5;
 // C (M x N, row-major, leading dimension ldc) = A (M x K) · B (K x N) + bias.
 // A and B are strided views: A[m, k] = A[m * a_row_stride + k * a col_stride],
 // so a transposed operand costs nothing (dW = dYᵀ·X packs straight from dY).
-// bias has N elements or is nullptr. C is overwritten, never read.
+// bias has N elements or is nullptr. C is overwritten, never read, unless accumulate
+// is set: then C += A·B (bias must be nullptr; the convolutions sum K in chunks so).
 // With relu set, C = max(C, 0) is applied in the same store (fused epilogue).
 // Results are bit-identical from run to run and for any thread count: work is
 // split over output tiles only, never over K.
@@ -29,7 +30,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
           const T* A, int64_t a_row_stride, int64_t a_col_stride,
           const T* B, int64_t b_row_stride, int64_t b_col_stride,
           const T* bias, bool relu,
-          T* C, int64_t ldc);
+          T* C, int64_t ldc, bool accumulate = false);
 
 // One product C = A·B + bias (relu as in gemm) whose columns are computed in chunks of
 // panels_per_chunk column panels of its tile (0: one chunk), taken by any threads in any
@@ -45,7 +46,7 @@ class ColumnChunks {
  public:
   ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride, int64_t a_col_stride,
                const T* B, int64_t b_row_stride, int64_t b_col_stride, const T* bias, bool relu, T* C, int64_t ldc,
-               int64_t panels_per_chunk);
+               int64_t panels_per_chunk, bool accumulate = false);
   ~ColumnChunks();
   ColumnChunks(const ColumnChunks&) = delete;
   ColumnChunks& operator=(const ColumnChunks&) = delete;
@@ -64,6 +65,7 @@ class ColumnChunks {
   const T* bias_;
   bool relu_;
   T* C_;
+  bool accumulate_;
   int64_t ldc_, chunk_columns_, chunks_;
   bool share_packed_a_;
   std::atomic<int64_t> next_chunk_{0};

@@ -1,0 +1,110 @@
+"""The Python side of ext::conv2d: fake kernels (torch.compile, export) and `conv2d`, which
+gives the op F.conv2d's contract for groups=1.
+
+The op (ext/csrc/conv_ops.cpp) takes a 4-D input, pairs for stride and dilation and four
+paddings (top, bottom, left, right); this module turns F.conv2d's forms into those.
+"""
+from __future__ import annotations
+
+import torch
+
+_CONV2D = torch.ops.ext.conv2d.default
+
+
+def _output_size(size, kernel, stride, padding, dilation):
+    return (size + padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _fake_format(input, weight):
+    channels_last = torch.channels_last in (torch._prims_common.suggest_memory_format(input),
+                                            torch._prims_common.suggest_memory_format(weight))
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+@torch.library.register_fake("ext::conv2d")
+def _conv2d_fake(input, weight, bias, stride, padding, dilation):
+    torch._check(input.dim() == 4 and weight.dim() == 4,
+                 lambda: f"ext.conv2d: input and weight must be 4-D, got {tuple(input.shape)} and {tuple(weight.shape)}")
+    torch._check(input.shape[1] == weight.shape[1],
+                 lambda: f"ext.conv2d: input has {input.shape[1]} channels but weight expects {weight.shape[1]}")
+    height = _output_size(input.shape[2], weight.shape[2], stride[0], padding[0] + padding[1], dilation[0])
+    width = _output_size(input.shape[3], weight.shape[3], stride[1], padding[2] + padding[3], dilation[1])
+    torch._check(height > 0 and width > 0, lambda: "ext.conv2d: the input is smaller than the kernel's reach")
+    shape = (input.shape[0], weight.shape[0], height, width)
+    return input.new_empty(shape).contiguous(memory_format=_fake_format(input, weight))
+
+
+@torch.library.register_fake("ext::conv2d_backward_input")
+def _conv2d_backward_input_fake(grad_output, weight, input_size, stride, padding, dilation):
+    return grad_output.new_empty(input_size)
+
+
+@torch.library.register_fake("ext::conv2d_backward_weight")
+def _conv2d_backward_weight_fake(grad_output, input, weight_size, stride, padding, dilation):
+    return grad_output.new_empty(weight_size)
+
+
+@torch.library.register_fake("ext::conv2d_backward_bias")
+def _conv2d_backward_bias_fake(grad_output):
+    return grad_output.new_empty((grad_output.shape[1],))
+
+
+def _pair(name, value):
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return (value[0], value[0]) if len(value) == 1 else tuple(value)
+    raise TypeError(f"ext.conv2d: {name} must be an int or a pair of ints, got {value!r}")
+
+
+def _paddings(padding, kernel_size, stride, dilation):
+    """(top, bottom, left, right) from F.conv2d's padding: an int, a pair, "valid" or "same"."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return 0, 0, 0, 0
+        if padding != "same":
+            raise ValueError(f"ext.conv2d: padding must be an int, a pair, 'valid' or 'same', got {padding!r}")
+        if stride != (1, 1):
+            raise ValueError("ext.conv2d: padding='same' is not supported for strided convolutions "
+                             f"(stride={stride}), as in F.conv2d; give the padding as numbers")
+        # As F.conv2d: the total padding is dilation·(kernel - 1), the odd one goes after.
+        total = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
+        return total[0] // 2, total[0] - total[0] // 2, total[1] // 2, total[1] - total[1] // 2
+    top, left = _pair("padding", padding)
+    return top, top, left, left
+
+
+def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
+           dilation=1, groups: int = 1) -> torch.Tensor:
+    """A 2-D convolution with our kernels; the same contract as F.conv2d for groups=1.
+
+    input (N, C, H, W) or unbatched (C, H, W), in any memory format; weight (K, C, R, S);
+    bias (K,) or None; stride, padding and dilation as ints or pairs, padding also "valid" or
+    "same". The output is channels_last when the input or the weight is, as F.conv2d's.
+    Grouped (and depthwise) convolutions are refused: run those layers with torch.
+
+    Example:
+        >>> y = ext.conv2d(torch.randn(8, 3, 32, 32), torch.randn(64, 3, 3, 3), padding=1)
+        >>> y.shape
+        torch.Size([8, 64, 32, 32])
+    """
+    if groups != 1:
+        raise ValueError(f"ext.conv2d: groups={groups} is not supported (only groups=1); run this layer with "
+                         "torch's convolution (conv=torch, or leave it an nn.Conv2d)")
+    for name, value in (("input", input), ("weight", weight)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"ext.conv2d: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"ext.conv2d: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if weight.dim() != 4:
+        raise RuntimeError(f"ext.conv2d: weight must be 4-D (out_channels, in_channels, kernel_h, kernel_w), "
+                           f"got shape {tuple(weight.shape)}")
+    if input.dim() not in (3, 4):
+        raise RuntimeError(f"ext.conv2d: input must be 4-D (batch, channels, height, width) or 3-D unbatched, "
+                           f"got shape {tuple(input.shape)}")
+    stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
+    padding = _paddings(padding, tuple(weight.shape[2:]), stride, dilation)
+    unbatched = input.dim() == 3
+    output = _CONV2D(input.unsqueeze(0) if unbatched else input, weight, bias, stride, padding, dilation)
+    return output.squeeze(0) if unbatched else output

@@ -1,0 +1,378 @@
+// Convolution as implicit GEMM: im2col one chunk of output pixels at a time, straight into
+// the operand a single-threaded cpu::gemm reads (see conv.h for the three products).
+#include "conv.h"
+
+#include "gemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+namespace ext::cpu {
+
+namespace {
+
+// Most pixels in one chunk: more only grows the buffers (a 3-channel stem's patch of 27
+// values would otherwise ask for 9000-pixel chunks), not the GEMM's speed.
+constexpr int64_t kMaxChunkPixels = 1024;
+constexpr int64_t kChunkPixelMultiple = 16;
+
+// A run of output pixels q0 .. q0 + count - 1, numbered q = n·OH·OW + oh·OW + ow.
+struct Chunk {
+  int64_t q0, count;
+};
+
+// How a call walks the output pixels. When an image holds at least half a chunk, chunks stay
+// within one image, so an image's output and dY (K x OH·OW, row stride OH·OW) are GEMM
+// operands as they lie. Smaller images (the 4x4 and 8x8 maps of a CIFAR ResNet's last
+// stages) share chunks, and their output or dY is staged as one K x (N·OH·OW) matrix.
+struct ChunkPlan {
+  bool per_image;
+  std::vector<Chunk> chunks;
+};
+
+template <typename T>
+ChunkPlan plan_chunks(const ConvGeometry& g) {
+  const int64_t chunk = chunk_pixels<T>(g.patch()), hw = g.out_pixels_per_image(), total = g.batch * hw;
+  ChunkPlan plan{2 * hw >= chunk, {}};
+  if (plan.per_image) {
+    const int64_t pieces = (hw + chunk - 1) / chunk;
+    for (int64_t n = 0; n < g.batch; ++n)
+      for (int64_t i = 0; i < pieces; ++i) {
+        const int64_t p0 = hw * i / pieces, p1 = hw * (i + 1) / pieces;
+        plan.chunks.push_back({n * hw + p0, p1 - p0});
+      }
+  } else {
+    for (int64_t q = 0; q < total; q += chunk) plan.chunks.push_back({q, std::min(chunk, total - q)});
+  }
+  return plan;
+}
+
+// A thread's own buffer (col or dcol), 64-byte aligned, grown on demand and kept across
+// calls, so a warm training step allocates nothing here.
+class Workspace {
+ public:
+  ~Workspace() { std::free(data_); }
+  template <typename T>
+  T* get(int64_t count) {
+    const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
+    if (bytes > capacity_) {
+      std::free(data_);
+      capacity_ = 0;
+      data_ = std::aligned_alloc(64, bytes);
+      if (!data_) throw std::bad_alloc();
+      capacity_ = bytes;
+    }
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+thread_local Workspace t_columns;
+
+template <typename T>
+std::unique_ptr<T[]> uninitialized(int64_t count) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(count)]);
+}
+
+// ceil(a / b) for b > 0 and any a.
+inline int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
+
+// A run of a chunk's pixels along one output row: pixels (n, oh, ow0 .. ow1 - 1), the j-th ..
+// of the chunk. A chunk's runs are listed once, then walked for each patch element.
+struct RowRun {
+  int64_t n, oh, ow0, ow1, j;
+};
+
+void list_row_runs(const ConvGeometry& g, Chunk chunk, std::vector<RowRun>& runs) {
+  runs.clear();
+  const int64_t hw = g.out_pixels_per_image(), end = chunk.q0 + chunk.count;
+  for (int64_t q = chunk.q0; q < end;) {
+    const int64_t n = q / hw, p = q % hw, oh = p / g.out_w, ow0 = p % g.out_w;
+    const int64_t ow1 = std::min(g.out_w, ow0 + (end - q));
+    runs.push_back({n, oh, ow0, ow1, q - chunk.q0});
+    q += ow1 - ow0;
+  }
+}
+
+thread_local std::vector<RowRun> t_runs;
+
+// Where patch element kk = (c, r, s) reads: input row ih = oh·stride_h + row_offset, column
+// iw = ow·stride_w + column_offset, valid for output columns [ow_lo, ow_hi).
+struct PatchElement {
+  int64_t c, row_offset, column_offset, ow_lo, ow_hi;
+};
+
+inline PatchElement patch_element(const ConvGeometry& g, int64_t kk) {
+  const int64_t rs = g.kernel_h * g.kernel_w;
+  const int64_t c = kk / rs, r = kk % rs / g.kernel_w, s = kk % g.kernel_w;
+  const int64_t column_offset = s * g.dilation_w - g.pad_left;
+  const int64_t ow_lo = std::clamp<int64_t>(ceil_div(-column_offset, g.stride_w), 0, g.out_w);
+  const int64_t ow_hi = std::clamp<int64_t>(ceil_div(g.width - column_offset, g.stride_w), ow_lo, g.out_w);
+  return {c, r * g.dilation_h - g.pad_top, column_offset, ow_lo, ow_hi};
+}
+
+// col[(kk - kk0) · ldcol + j] = the input under patch element kk at the chunk's j-th pixel
+// (zero in the padding), for kk in [kk0, kk1): rows kk0 .. kk1 - 1 of the chunk's im2col.
+template <typename T>
+void gather_columns(const ConvGeometry& g, const T* input, const std::vector<RowRun>& runs, int64_t kk0,
+                    int64_t kk1, T* col, int64_t ldcol) {
+  for (int64_t kk = kk0; kk < kk1; ++kk) {
+    const PatchElement e = patch_element(g, kk);
+    T* row = col + (kk - kk0) * ldcol;
+    for (const RowRun& run : runs) {
+      T* out = row + run.j - run.ow0;  // out[ow] for ow in [ow0, ow1)
+      const int64_t ih = run.oh * g.stride_h + e.row_offset;
+      if (ih < 0 || ih >= g.height) {
+        std::fill(out + run.ow0, out + run.ow1, T(0));
+        continue;
+      }
+      const int64_t lo = std::clamp(e.ow_lo, run.ow0, run.ow1), hi = std::clamp(e.ow_hi, lo, run.ow1);
+      for (int64_t ow = run.ow0; ow < lo; ++ow) out[ow] = T(0);
+      const T* in = input + ((run.n * g.in_channels + e.c) * g.height + ih) * g.width + e.column_offset;
+      if (g.stride_w == 1) {
+        std::memcpy(out + lo, in + lo, static_cast<size_t>(hi - lo) * sizeof(T));
+      } else {
+        for (int64_t ow = lo; ow < hi; ++ow) out[ow] = in[ow * g.stride_w];
+      }
+      for (int64_t ow = hi; ow < run.ow1; ++ow) out[ow] = T(0);
+    }
+  }
+}
+
+// col2im: grad_input += dcol scattered back, for patch rows [kk0, kk1) (whole channels, so
+// the threads, which own disjoint channels, never write the same element).
+template <typename T>
+void scatter_columns(const ConvGeometry& g, const T* dcol, int64_t lddcol, const std::vector<RowRun>& runs,
+                     int64_t kk0, int64_t kk1, T* grad_input) {
+  for (int64_t kk = kk0; kk < kk1; ++kk) {
+    const PatchElement e = patch_element(g, kk);
+    const T* row = dcol + (kk - kk0) * lddcol;
+    for (const RowRun& run : runs) {
+      const int64_t ih = run.oh * g.stride_h + e.row_offset;
+      if (ih < 0 || ih >= g.height) continue;
+      const int64_t lo = std::clamp(e.ow_lo, run.ow0, run.ow1), hi = std::clamp(e.ow_hi, lo, run.ow1);
+      const T* in = row + run.j - run.ow0;
+      T* out = grad_input + ((run.n * g.in_channels + e.c) * g.height + ih) * g.width + e.column_offset;
+      if (g.stride_w == 1) {
+        for (int64_t ow = lo; ow < hi; ++ow) out[ow] += in[ow];
+      } else {
+        for (int64_t ow = lo; ow < hi; ++ow) out[ow * g.stride_w] += in[ow];
+      }
+    }
+  }
+}
+
+// An image-side operand of a chunk: rows of K (or C) channels, `count` pixels each.
+template <typename T>
+struct Operand {
+  T* data;
+  int64_t row_stride;
+};
+
+// The chunk's slice of an N x rows x OH·OW tensor (per-image chunks), or of the same staged
+// as rows x N·OH·OW.
+template <typename T>
+Operand<T> chunk_slice(const ConvGeometry& g, const ChunkPlan& plan, Chunk chunk, T* per_image, int64_t rows,
+                       T* staged) {
+  const int64_t hw = g.out_pixels_per_image();
+  if (!plan.per_image) return {staged + chunk.q0, g.batch * hw};
+  const int64_t n = chunk.q0 / hw, p = chunk.q0 % hw;
+  return {per_image + n * rows * hw + p, hw};
+}
+
+// dst (rows x N·HW) <- src (N x rows x HW), or back with to_staged false.
+template <typename T>
+void restage(int64_t batch, int64_t rows, int64_t hw, const T* src, T* dst, bool to_staged) {
+  at::parallel_for(0, batch * rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / rows, k = i % rows;
+      const T* from = to_staged ? src + i * hw : src + (k * batch + n) * hw;
+      T* to = to_staged ? dst + (k * batch + n) * hw : dst + i * hw;
+      std::copy_n(from, hw, to);
+    }
+  });
+}
+
+}  // namespace
+
+// Rows of im2col gathered at a time: one K block of cpu::gemm (all of the patch up to its
+// largest single block). A chunk's block, block rows x chunk pixels, stays within half of L2
+// from its gather to the GEMM that reads it.
+template <typename T>
+int64_t patch_block_rows(int64_t patch) {
+  const BlockSizes b = block_sizes<T>(active_cpu_path());
+  return patch <= b.max_single_k_block ? patch : b.kc;
+}
+
+template <typename T>
+int64_t chunk_pixels(int64_t patch) {
+  const int64_t fit = block_sizes<T>(active_cpu_path()).l2_bytes / 2 /
+                      (patch_block_rows<T>(patch) * static_cast<int64_t>(sizeof(T)));
+  return std::clamp<int64_t>(fit / kChunkPixelMultiple * kChunkPixelMultiple, kChunkPixelMultiple, kMaxChunkPixels);
+}
+
+template <typename T>
+int64_t conv2d_workspace_bytes(const ConvGeometry& g, int64_t threads) {
+  const ChunkPlan plan = plan_chunks<T>(g);
+  const int64_t block = g.pointwise() && plan.per_image ? 0 : patch_block_rows<T>(g.patch()) * chunk_pixels<T>(g.patch());
+  const int64_t staged = plan.per_image ? 0 : g.out_channels * g.batch * g.out_pixels_per_image();
+  return static_cast<int64_t>(sizeof(T)) * (threads * block + staged + g.patch() * g.out_channels);
+}
+
+template <typename T>
+void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, const T* bias, T* output) {
+  const ChunkPlan plan = plan_chunks<T>(g);
+  const int64_t K = g.out_channels, patch = g.patch(), hw = g.out_pixels_per_image();
+  const int64_t block = patch_block_rows<T>(patch);
+  const auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
+  const int64_t chunks = static_cast<int64_t>(plan.chunks.size());
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const Chunk chunk = plan.chunks[i];
+      const Operand<T> y = chunk_slice<T>(g, plan, chunk, output, K, staged.get());
+      // The bias is per row of this product (gemm's is per column): C starts as it, and the
+      // products are added.
+      if (bias)
+        for (int64_t k = 0; k < K; ++k) std::fill_n(y.data + k * y.row_stride, chunk.count, bias[k]);
+      if (g.pointwise() && plan.per_image) {  // im2col is the input itself
+        const Operand<T> x = chunk_slice<T>(g, plan, chunk, const_cast<T*>(input), g.in_channels, nullptr);
+        gemm<T>(K, chunk.count, patch, weight, patch, 1, x.data, x.row_stride, 1, nullptr, false, y.data,
+                y.row_stride, /*accumulate=*/bias != nullptr);
+        continue;
+      }
+      // im2col a block of rows at a time, each read by the GEMM while it is in L2.
+      list_row_runs(g, chunk, t_runs);
+      T* col = t_columns.get<T>(block * chunk.count);
+      for (int64_t kk = 0; kk < patch; kk += block) {
+        const int64_t rows = std::min(block, patch - kk);
+        gather_columns(g, input, t_runs, kk, kk + rows, col, chunk.count);
+        gemm<T>(K, chunk.count, rows, weight + kk, patch, 1, col, chunk.count, 1, nullptr, false, y.data,
+                y.row_stride, /*accumulate=*/kk > 0 || bias != nullptr);
+      }
+    }
+  });
+  if (staged) restage<T>(g.batch, K, hw, staged.get(), output, /*to_staged=*/false);
+}
+
+template <typename T>
+void conv2d_backward_weight(const ConvGeometry& g, const T* grad_output, const T* input, T* grad_weight) {
+  const ChunkPlan plan = plan_chunks<T>(g);
+  const int64_t K = g.out_channels, patch = g.patch(), hw = g.out_pixels_per_image();
+  const int64_t block = patch_block_rows<T>(patch);
+  if (g.batch * hw == 0) {
+    std::fill_n(grad_weight, K * patch, T(0));
+    return;
+  }
+  auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
+  if (staged) restage<T>(g.batch, K, hw, grad_output, staged.get(), /*to_staged=*/true);
+  // Threads own columns of dW (rows of im2col), a block of them at a time: each gathers only
+  // those rows of every chunk, and sums its columns over the chunks in order.
+  at::parallel_for(0, patch, kChunkPixelMultiple, [&](int64_t begin, int64_t end) {
+    for (int64_t kk0 = begin; kk0 < end; kk0 += block) {
+      const int64_t kk1 = std::min(end, kk0 + block);
+      bool first_chunk = true;
+      for (const Chunk chunk : plan.chunks) {
+        const Operand<T> dy = chunk_slice<T>(g, plan, chunk, const_cast<T*>(grad_output), K, staged.get());
+        // B (count x columns) = the chunk's im2col rows kk0 .. kk1 - 1, transposed.
+        Operand<const T> col{};
+        if (g.pointwise() && plan.per_image) {
+          const Operand<T> x = chunk_slice<T>(g, plan, chunk, const_cast<T*>(input), g.in_channels, nullptr);
+          col = {x.data + kk0 * x.row_stride, x.row_stride};
+        } else {
+          list_row_runs(g, chunk, t_runs);
+          T* buffer = t_columns.get<T>((kk1 - kk0) * chunk.count);
+          gather_columns(g, input, t_runs, kk0, kk1, buffer, chunk.count);
+          col = {buffer, chunk.count};
+        }
+        gemm<T>(K, kk1 - kk0, chunk.count, dy.data, dy.row_stride, 1, col.data, 1, col.row_stride, nullptr, false,
+                grad_weight + kk0, patch, /*accumulate=*/!first_chunk);
+        first_chunk = false;
+      }
+    }
+  });
+}
+
+template <typename T>
+void conv2d_backward_input(const ConvGeometry& g, const T* grad_output, const T* weight, T* grad_input) {
+  const ChunkPlan plan = plan_chunks<T>(g);
+  const int64_t K = g.out_channels, patch = g.patch(), rs = g.kernel_h * g.kernel_w;
+  const int64_t hw = g.out_pixels_per_image(), in_hw = g.in_pixels_per_image();
+  // dcol is computed a block of whole channels at a time and scattered while it is in L2.
+  const int64_t block_channels = std::max<int64_t>(1, patch_block_rows<T>(patch) / rs);
+  auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
+  if (staged) restage<T>(g.batch, K, hw, grad_output, staged.get(), /*to_staged=*/true);
+  // A = Wᵀ (patch x K), transposed once so that it is read in place like W in the forward.
+  const auto weight_t = uninitialized<T>(patch * K);
+  at::parallel_for(0, patch, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t kk = begin; kk < end; ++kk) weight_t[kk * K + k] = weight[k * patch + kk];
+  });
+  const bool direct = g.pointwise() && plan.per_image;  // dcol is dX itself: nothing to scatter
+  // Threads own input channels: the rows of dcol they compute and the part of dX they add into.
+  at::parallel_for(0, g.in_channels, 1, [&](int64_t c_begin, int64_t c_end) {
+    if (!direct)
+      for (int64_t n = 0; n < g.batch; ++n)
+        std::fill_n(grad_input + (n * g.in_channels + c_begin) * in_hw, (c_end - c_begin) * in_hw, T(0));
+    for (const Chunk chunk : plan.chunks) {
+      const Operand<T> dy = chunk_slice<T>(g, plan, chunk, const_cast<T*>(grad_output), K, staged.get());
+      if (direct) {
+        const Operand<T> dx = chunk_slice<T>(g, plan, chunk, grad_input, g.in_channels, nullptr);
+        gemm<T>((c_end - c_begin) * rs, chunk.count, K, weight_t.get() + c_begin * rs * K, K, 1, dy.data,
+                dy.row_stride, 1, nullptr, false, dx.data + c_begin * dx.row_stride, dx.row_stride);
+        continue;
+      }
+      list_row_runs(g, chunk, t_runs);
+      for (int64_t c0 = c_begin; c0 < c_end; c0 += block_channels) {
+        const int64_t kk0 = c0 * rs, kk1 = std::min(c_end, c0 + block_channels) * rs;
+        T* dcol = t_columns.get<T>((kk1 - kk0) * chunk.count);
+        gemm<T>(kk1 - kk0, chunk.count, K, weight_t.get() + kk0 * K, K, 1, dy.data, dy.row_stride, 1, nullptr,
+                false, dcol, chunk.count);
+        scatter_columns(g, dcol, chunk.count, t_runs, kk0, kk1, grad_input);
+      }
+    }
+  });
+}
+
+template <typename T>
+void conv2d_backward_bias(const ConvGeometry& g, const T* grad_output, T* grad_bias) {
+  constexpr int kLanes = 16;  // independent partial sums: vectorizable, in a fixed order
+  const int64_t K = g.out_channels, hw = g.out_pixels_per_image();
+  at::parallel_for(0, K, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      T lanes[kLanes] = {};
+      T tail = 0;
+      for (int64_t n = 0; n < g.batch; ++n) {
+        const T* row = grad_output + (n * K + k) * hw;
+        int64_t p = 0;
+        for (; p + kLanes <= hw; p += kLanes)
+          for (int l = 0; l < kLanes; ++l) lanes[l] += row[p + l];
+        for (; p < hw; ++p) tail += row[p];
+      }
+      T sum = tail;
+      for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+      grad_bias[k] = sum;
+    }
+  });
+}
+
+#define EXT_INSTANTIATE_CONV(T)                                                                         \
+  template int64_t chunk_pixels<T>(int64_t);                                                            \
+  template int64_t conv2d_workspace_bytes<T>(const ConvGeometry&, int64_t);                             \
+  template void conv2d_forward<T>(const ConvGeometry&, const T*, const T*, const T*, T*);               \
+  template void conv2d_backward_input<T>(const ConvGeometry&, const T*, const T*, T*);                  \
+  template void conv2d_backward_weight<T>(const ConvGeometry&, const T*, const T*, T*);                 \
+  template void conv2d_backward_bias<T>(const ConvGeometry&, const T*, T*);
+EXT_INSTANTIATE_CONV(float)
+EXT_INSTANTIATE_CONV(double)
+#undef EXT_INSTANTIATE_CONV
+
+}  // namespace ext::cpu
