@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import data
 from trainer import checkpoint, memory, summary
-from trainer.build import (StepSettings, build_training, linear_flop_share, make_deterministic, make_loaders,
+from trainer.build import (StepSettings, build_training, flop_shares, make_deterministic, make_loaders,
                            make_model, pick_device, read_dataset, step_settings, threads_per_process,
                            training_module)
 from trainer.checkpoint import CheckpointError
@@ -148,8 +148,9 @@ def fit(cfg, run_dir):
         step_model = training_module(model, cfg, device)
         settings = step_settings(cfg, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())
-        flop_share = linear_flop_share(cfg, dataset)  # how much of the work a linear=custom run swaps
-        description = describe(cfg, device, num_params, flop_share)
+        shares = flop_shares(cfg, dataset)  # how much of the work linear=custom and conv=custom swap
+        flop_share, conv_share = shares["linear"], shares["conv"]
+        description = describe(cfg, device, num_params, flop_share, conv_share)
         log.info(f"run: {description}")
         log.info(f"folder: {run_dir}")
         file_log.info(f"malloc: {memory.set_up()}")  # steps stop faulting their tensors in again
@@ -227,8 +228,9 @@ def fit(cfg, run_dir):
                  f"{description}")
         if is_main:
             write_scalars(writer, {"time/epoch_s_mean": epoch_s_mean}, cfg.trainer.epochs)
-            write_hparams(writer, cfg, device, num_params, flop_share, overridden)
-            summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share, warmup_epochs)
+            write_hparams(writer, cfg, device, num_params, flop_share, overridden, conv_share)
+            summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share, warmup_epochs,
+                                      conv_share)
     return val_acc
 
 
@@ -335,7 +337,7 @@ def evaluate_checkpoint(cfg, run_dir):
         _, val_loader = make_loaders(cfg, dataset, device)
         val_loss, val_acc = evaluate(model, val_loader, device)
         log.info(f"eval: val loss {val_loss:.4f} acc {val_acc:.2%} | epoch {state['epoch']} of {path} | "
-                 f"linear={cfg.linear.name}")
+                 f"linear={cfg.linear.name} conv={cfg.conv.name}")
     return val_acc
 
 

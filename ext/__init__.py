@@ -1,5 +1,5 @@
-"""linear-lab's hand-written linear operator: our own C++/CUDA GEMM kernels behind
-nn.Linear's interface.
+"""linear-lab's hand-written operators: our own C++/CUDA GEMM kernels behind nn.Linear's
+interface, and a CPU convolution on the same GEMM behind nn.Conv2d's.
 
 Example:
     >>> import torch, ext
@@ -13,7 +13,8 @@ from ext._build import BuildError, load_library
 build_manifest = load_library()
 
 from ext.conv import conv2d  # noqa: E402  (needs the loaded ops)
-from ext.modules import Linear, replace_linears  # noqa: E402
+from ext.modules import Conv2d, Linear, replace_convs, replace_linears  # noqa: E402
 from ext.ops import linear, linear_relu  # noqa: E402
 
-__all__ = ["BuildError", "Linear", "build_manifest", "conv2d", "linear", "linear_relu", "replace_linears"]
+__all__ = ["BuildError", "Conv2d", "Linear", "build_manifest", "conv2d", "linear", "linear_relu", "replace_convs",
+           "replace_linears"]

@@ -1,10 +1,13 @@
-"""ext.Linear, a drop-in for nn.Linear running our kernels, and replace_linears."""
+"""ext.Linear and ext.Conv2d, drop-ins for nn.Linear and nn.Conv2d running our kernels, and
+replace_linears and replace_convs, which convert a model's layers in place."""
 from collections import Counter
 from typing import Optional
 
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
+from ext.conv import conv2d
 from ext.ops import linear, linear_relu
 
 ACTIVATIONS = {None: linear, "relu": linear_relu}
@@ -132,3 +135,81 @@ _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backw
 
 def _has_hooks(module: nn.Module, kinds) -> bool:
     return any(getattr(module, kind) for kind in kinds)
+
+
+class Conv2d(nn.Conv2d):
+    """nn.Conv2d whose forward runs linear-lab's convolution (ext.conv2d), for groups=1.
+
+    Same parameters, initialisation, state_dict keys and repr as nn.Conv2d, so state_dicts
+    move between the two both ways. padding_mode other than "zeros" pads with torch first,
+    as nn.Conv2d does, then convolves with no padding.
+
+    Example:
+        >>> layer = ext.Conv2d(3, 64, 3, padding=1, bias=False)
+        >>> layer(torch.randn(8, 3, 32, 32)).shape
+        torch.Size([8, 64, 32, 32])
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None):
+        if groups != 1:
+            raise ValueError(f"ext.Conv2d: groups={groups} is not supported (only groups=1); keep this layer an "
+                             "nn.Conv2d (ext.replace_convs leaves grouped convolutions as they are)")
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, device, dtype)
+
+    def _conv_forward(self, input, weight, bias):
+        if self.padding_mode != "zeros":  # nn.Conv2d's own handling of the other modes
+            return conv2d(F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), weight,
+                          bias, self.stride, 0, self.dilation)
+        return conv2d(input, weight, bias, self.stride, self.padding, self.dilation)
+
+    @classmethod
+    def from_conv2d(cls, module: nn.Conv2d) -> "Conv2d":
+        """A new ext.Conv2d sharing module's weight and bias (same tensors, device and dtype).
+
+        Example:
+            >>> fast = ext.Conv2d.from_conv2d(nn.Conv2d(3, 64, 3))
+        """
+        if module.groups != 1:
+            raise ValueError(f"ext.Conv2d.from_conv2d: groups={module.groups} is not supported (only groups=1); "
+                             "keep this layer an nn.Conv2d")
+        if not isinstance(module.weight, nn.Parameter) or parametrize.is_parametrized(module):
+            raise TypeError(f"ext.Conv2d.from_conv2d: this {type(module).__name__}'s weight is computed "
+                            "(pruning, weight norm, spectral norm or a parametrization), so there is no "
+                            "weight to share; use ext.replace_convs(module), which converts it in place")
+        new = cls(module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+                  module.dilation, 1, module.bias is not None, module.padding_mode, device="meta")
+        new.weight = module.weight
+        new.bias = module.bias
+        new.train(module.training)
+        return new
+
+
+def replace_convs(model: nn.Module) -> list[str]:
+    """Makes every plain nn.Conv2d in model that ext.conv2d can run an ext.Conv2d, in place.
+
+    As replace_linears, only each module's class changes (parameters, hooks and sharing stay).
+    Left as torch, and returned by name with the reason, so a caller can say so: grouped
+    (and depthwise) convolutions, subclasses of nn.Conv2d, and CUDA modules (the convolution
+    has CPU kernels only so far).
+
+    Example:
+        >>> left = ext.replace_convs(torchvision.models.mobilenet_v2())   # depthwise ones stay
+    """
+    left = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Conv2d and not (parametrize.is_parametrized(module)
+                                                  and type(module).__bases__ == (nn.Conv2d,)):
+            continue
+        reason = ("groups != 1" if module.groups != 1 else
+                  "on CUDA" if any(p.is_cuda for p in module.parameters()) else None)
+        if reason:
+            left.append(f"{name or type(model).__name__} ({reason})")
+        elif type(module) is nn.Conv2d:
+            module.__class__ = Conv2d
+        else:  # parametrized: its own class derives from nn.Conv2d; derive the same from ours
+            parametrized = type(module)
+            body = {key: value for key, value in vars(parametrized).items() if key not in ("__dict__", "__weakref__")}
+            module.__class__ = type(parametrized.__name__, (Conv2d,), body)
+    return left

@@ -15,7 +15,7 @@ from trainer import build, config
 from test_data import write_tiny_cifar10, write_tiny_mnist
 
 REPO = Path(__file__).resolve().parents[1]
-GROUPS = ("model", "linear", "data", "optim", "sched")
+GROUPS = ("model", "linear", "conv", "data", "optim", "sched")
 TINY_FAKE = ["data=fake", "data.train_size=8", "data.val_size=4", "data.image_size=[3,16,16]"]
 
 
@@ -27,6 +27,7 @@ def test_groups_offer_the_documented_options():
     assert {group: options(group) for group in GROUPS} == {
         "model": ["mlp", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50"],
         "linear": ["custom", "torch"],
+        "conv": ["custom", "torch"],
         "data": ["cifar10", "digits", "fake", "fashion_mnist", "mnist"],
         "optim": ["adamw", "sgd"],
         "sched": ["cosine", "none", "onecycle"],
@@ -188,6 +189,35 @@ def test_the_linear_layers_share_of_the_flops_says_what_a_swap_covers():
     assert torch.equal(torch.get_rng_state(), before)  # counting draws no random numbers: seeds stay as they were
 
 
+def test_conv_custom_swaps_every_plain_convolution_and_keeps_the_initial_weights():
+    nets = {}
+    for conv in options("conv"):
+        cfg = config.load_config([f"conv={conv}", "model=resnet18", *TINY_FAKE])
+        config.validate(cfg)
+        _, nets[conv], *_ = build_run(cfg)
+    types = {conv: {type(m) for m in net.modules() if isinstance(m, nn.Conv2d)} for conv, net in nets.items()}
+    assert types == {"torch": {nn.Conv2d}, "custom": {ext.Conv2d}}
+    torch_state, custom_state = nets["torch"].state_dict(), nets["custom"].state_dict()
+    assert list(torch_state) == list(custom_state)
+    assert all(torch.equal(torch_state[key], custom_state[key]) for key in torch_state)
+
+
+def test_with_both_custom_a_resnet_runs_almost_all_its_flops_on_our_kernels():
+    resnet = config.load_config(["model=resnet18", "data=fake", "data.train_size=8", "data.val_size=8"])
+    shares = build.flop_shares(resnet, build.read_dataset(resnet.data))
+    assert shares["conv"] > 0.99 and shares["linear"] + shares["conv"] > 0.995
+    assert build.conv_flop_share(resnet, build.read_dataset(resnet.data)) == shares["conv"]
+    mlp = config.load_config([])
+    assert build.flop_shares(mlp, build.read_dataset(mlp.data)) == {"linear": 1.0, "conv": 0.0}
+
+
+def test_conv_custom_on_a_gpu_is_refused_before_any_work(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(config.ConfigError, match="conv=custom runs on the CPU only"):
+        config.validate(config.load_config(["conv=custom", "model=resnet18"]))
+    config.validate(config.load_config(["conv=custom", "model=resnet18", "trainer.device=cpu"]))
+
+
 def test_a_network_that_cannot_run_on_the_meta_device_has_no_flop_share_and_still_trains(monkeypatch):
     cfg = config.load_config([])
     dataset = build.read_dataset(cfg.data)
@@ -292,6 +322,6 @@ def test_cfg_job_prints_the_whole_config(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     printed = OmegaConf.create(result.stdout)
-    assert set(printed) == {"model", "linear", "data", "optim", "sched", "seed", "trainer"}
+    assert set(printed) == {"model", "linear", "conv", "data", "optim", "sched", "seed", "trainer"}
     assert printed.trainer.epochs == 20 and printed.model.hidden_sizes == [256, 256]
     assert not (tmp_path / "outputs").exists()  # printing runs nothing

@@ -27,16 +27,17 @@ def steps(mean_s, epochs=3, per_epoch=200, seed=0):
 
 
 def make_job(sweep_dir, num, overrides, linear, history, finished=True, error=None, step_times_s=None,
-             flop_share=None):
+             flop_share=None, conv="torch", conv_share=None):
     """A job folder as a Hydra multirun leaves it: .hydra/ files and, if it finished, summary.json; if it
     failed, its failed.txt (a job killed outside our control leaves neither)."""
     job_dir = sweep_dir / f"{num}_job"
     (job_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
-    OmegaConf.save(OmegaConf.create({"linear": {"name": linear}}), job_dir / ".hydra" / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"linear": {"name": linear}, "conv": {"name": conv}}),
+                   job_dir / ".hydra" / "config.yaml")
     OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": num}}}), job_dir / ".hydra" / "hydra.yaml")
     if finished:
-        summary.write_run_summary(job_dir, history, 1000 + num, step_times_s, flop_share)
+        summary.write_run_summary(job_dir, history, 1000 + num, step_times_s, flop_share, (0,), conv_share)
     elif error:
         summary.write_job_failure(job_dir, error)
 
@@ -113,6 +114,25 @@ def test_a_short_comparison_says_so_and_a_small_flop_share_says_what_it_measured
     markdown = summary.summarize_sweep(tmp_path)
     assert "too short to time (0.4 s of timed steps per side, under 1 s)" in markdown
     assert "0.00092% of the FLOPs: this ratio is not a kernel comparison" in markdown
+
+
+def test_a_linear_and_conv_sweep_compares_each_choice_with_the_other_held(tmp_path):
+    """-m linear=torch,custom conv=torch,custom: two linear pairs (one per conv) and two conv pairs, each with
+    the share of the FLOPs its swapped layers do."""
+    for num, (linear, conv) in enumerate([("torch", "torch"), ("custom", "torch"), ("torch", "custom"),
+                                          ("custom", "custom")]):
+        make_job(tmp_path, num, [f"linear={linear}", f"conv={conv}", "model=resnet18"], linear,
+                 [epoch(0.9, 2.0, 10.0)] * 2, step_times_s=steps(0.02 if conv == "torch" else 0.01, seed=num),
+                 flop_share=9.2e-6, conv=conv, conv_share=0.9999)
+    markdown = summary.summarize_sweep(tmp_path)
+    linear_part, conv_part = markdown.split("## conv=custom vs conv=torch")
+    assert linear_part.count("`conv=torch model=resnet18`") == 1 and linear_part.count("`conv=custom model=resnet18`") == 1
+    assert "not a kernel comparison" in linear_part
+    assert conv_part.count("`linear=torch model=resnet18`") == 1 and conv_part.count("`linear=custom model=resnet18`") == 1
+    assert conv_part.count("2.00x") == 2 or conv_part.count("1.9") + conv_part.count("2.0") >= 2
+    assert "100% of the FLOPs" in conv_part and "not a kernel comparison" not in conv_part
+    with open(tmp_path / "summary.csv") as file:
+        assert [row["conv"] for row in csv.DictReader(file)] == ["torch", "torch", "custom", "custom"]
 
 
 def test_sweep_without_linear_pairs_has_no_comparison(tmp_path):

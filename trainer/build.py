@@ -1,5 +1,6 @@
 """A run's parts, built from its config: device and threads, data, model, optimizer and scheduler, and the
 switches that change how steps run (AMP, channels_last, torch.compile, determinism)."""
+import logging
 import os
 import random
 import tempfile
@@ -18,6 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import data
 import ext  # builds (or loads the cached) operator now, once, before Hydra launches any job
 from trainer.distributed import world
+
+log = logging.getLogger("train")
 
 SMALL_INPUT_MAX_PX = 64  # ResNets keep full resolution (3x3 stride-1 stem, no max-pool) up to this size
 
@@ -153,13 +156,18 @@ def network(cfg, dataset):
 
 
 def make_model(cfg, dataset, device):
-    """Build the network with nn.Linear, then swap in ext.Linear for linear=custom.
+    """Build the network with torch's layers, then swap in ext.Linear for linear=custom and ext.Conv2d for
+    conv=custom.
 
     The swap keeps the weights, so for one seed both choices start from identical parameters.
     """
     model = network(cfg, dataset)
     if cfg.linear.name == "custom":
         model = ext.replace_linears(model, fuse_relu=cfg.linear.fuse_relu)
+    if cfg.conv.name == "custom":
+        left = ext.replace_convs(model)  # the config check (trainer/config.py) kept conv=custom off GPUs
+        if left:
+            log.info(f"conv=custom: {len(left)} convolution(s) stay torch's: {', '.join(left)}")
     return model.to(device)
 
 
@@ -171,23 +179,39 @@ def linear_flop_share(cfg, dataset):
     drawn) for one image; every layer's FLOPs grow alike with the batch. None for a network that cannot run
     on the meta device (one that reads its data, say): the figure informs, and must not stop a run.
     """
-    linear_flops = 0
+    return flop_shares(cfg, dataset)["linear"]
 
-    def count(module, inputs, output):
-        nonlocal linear_flops
-        linear_flops += 2 * inputs[0].numel() * module.out_features
+
+def conv_flop_share(cfg, dataset):
+    """The share of the network's forward FLOPs done in the convolutions conv=custom swaps (nn.Conv2d with
+    groups=1), counted as linear_flop_share is; None where that cannot be counted."""
+    return flop_shares(cfg, dataset)["conv"]
+
+
+def flop_shares(cfg, dataset):
+    """{"linear": share, "conv": share} of the forward FLOPs (see linear_flop_share), or both None."""
+    flops = {"linear": 0, "conv": 0}
+
+    def counter_for(kind):
+        def count(module, inputs, output):
+            per_output = module.in_features if kind == "linear" else module.weight[0].numel()
+            flops[kind] += 2 * output.numel() * per_output
+        return count
 
     try:
         with torch.device("meta"):
             model = network(cfg, dataset).eval()
         for module in model.modules():
             if isinstance(module, nn.Linear):
-                module.register_forward_hook(count)
+                module.register_forward_hook(counter_for("linear"))
+            elif isinstance(module, nn.Conv2d) and module.groups == 1:
+                module.register_forward_hook(counter_for("conv"))
         with FlopCounterMode(display=False) as counter:
             model(torch.zeros(1, *dataset.image_shape, device="meta"))
     except Exception:  # noqa: BLE001 (whatever a network does on the meta device, the run goes on)
-        return None
-    return linear_flops / max(counter.get_total_flops(), 1)
+        return {"linear": None, "conv": None}
+    total = max(counter.get_total_flops(), 1)
+    return {kind: count / total for kind, count in flops.items()}
 
 
 def build_training(cfg, dataset, device):

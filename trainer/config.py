@@ -155,7 +155,7 @@ def config_keys():
     """The default config as nested dicts, each group's keys merged over all its options (model.dropout is
     mlp's, model.name every model's): every setting some choice of groups reads."""
     config = OmegaConf.to_container(load_config())
-    for group in ("model", "linear", "data", "optim", "sched"):
+    for group in ("model", "linear", "conv", "data", "optim", "sched"):
         for option in sorted((CONF_DIR / group).glob("*.yaml")):
             config[group] = {**OmegaConf.to_container(OmegaConf.load(option)), **config[group]}
     return config
@@ -218,6 +218,7 @@ RULES = {
     "trainer.epochs": POSITIVE_INT,
     "trainer.device": Rule(is_device, "auto, cpu, or a CUDA device present on this machine (cuda, cuda:0, ...)"),
     "linear.name": Rule(lambda v: v in ("torch", "custom"), "torch or custom"),
+    "conv.name": Rule(lambda v: v in ("torch", "custom"), "torch or custom"),
     "data.batch_size": POSITIVE_INT,
     "data.num_workers": Rule(lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "data.loader": one_of(data.LOADER_KINDS),
@@ -263,6 +264,10 @@ def validate(cfg):
                 raise ConfigError(f"{key}={shown} is invalid: it must be {rule.expected}")
     if cfg.trainer.eval_only and not cfg.trainer.resume:
         raise ConfigError("trainer.eval_only=true needs trainer.resume=<run folder or checkpoint file>")
+    device = str(cfg.trainer.device)
+    if cfg.conv.name == "custom" and (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
+        raise ConfigError("conv=custom runs on the CPU only (its CUDA kernels are not written yet): use conv=torch "
+                          "on a GPU, or trainer.device=cpu")
     check_targets_take_their_settings(cfg)
 
 

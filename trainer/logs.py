@@ -28,12 +28,14 @@ def counted(count, noun):
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def describe(cfg, device, num_params, flop_share=None):
-    """The run in one line: what trains on what, how, and where, and (given `flop_share`) how much of the
-    network's work the linear layers do."""
+def describe(cfg, device, num_params, flop_share=None, conv_share=None):
+    """The run in one line: what trains on what, how, and where, and (given `flop_share`, and `conv_share` for
+    a network with convolutions) how much of the network's work the linear layers and the convolutions do."""
     coverage = f" | linear layers: {summary.share_text(flop_share)} of its FLOPs" if flop_share is not None else ""
+    if conv_share:
+        coverage += f", convolutions: {summary.share_text(conv_share)}"
     return (
-        f"{cfg.model.name} linear={cfg.linear.name} on {cfg.data.name} | "
+        f"{cfg.model.name} linear={cfg.linear.name} conv={cfg.conv.name} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
         f"batch {cfg.data.batch_size} x {counted(cfg.trainer.epochs, 'epoch')} | seed {cfg.seed} | "
         f"{device}, {counted(torch.get_num_threads(), 'thread')}{processes_text()} | "
@@ -48,7 +50,7 @@ def describe_data(name, dataset):
             f"{shape}, {dataset.num_classes} classes")
 
 
-def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
+def hparams_of(cfg, device, num_params, flop_share=None, overridden=(), conv_share=None):
     """The run's settings for TensorBoard's HParams dashboard: the headline choices, then each setting the
     command line set (`overridden`, dotted keys: what a sweep varies). Every other setting is the same in
     every run of a sweep, and as columns would push the metrics off-screen. Booleans show as true/false and
@@ -57,6 +59,7 @@ def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
     headline = {
         "model": cfg.model.name,
         "linear": cfg.linear.name,
+        "conv": cfg.conv.name,
         "data": cfg.data.name,
         "optimizer": class_name(cfg.optim),
         "scheduler": class_name(cfg.sched),
@@ -70,7 +73,9 @@ def hparams_of(cfg, device, num_params, flop_share=None, overridden=()):
     headline = {key: readable(value) for key, value in headline.items()}
     if flop_share is not None:
         headline["linear_flop_share"] = flop_share
-    in_headline = {"model.name", "linear.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
+    if conv_share is not None:
+        headline["conv_flop_share"] = conv_share
+    in_headline = {"model.name", "linear.name", "conv.name", "data.name", "optim.lr", "data.batch_size", "trainer.epochs",
                    "seed", "trainer.device"}
     chosen = {}
     for key in overridden:
@@ -113,11 +118,11 @@ def write_scalars(writer, scalars, step):
     writer.flush()
 
 
-def write_hparams(writer, cfg, device, num_params, flop_share=None, overridden=()):
+def write_hparams(writer, cfg, device, num_params, flop_share=None, overridden=(), conv_share=None):
     """The run's settings to the HParams dashboard. Only the session's hparams, no per-run "experiment":
     TensorBoard then builds the table from every run's hparams (runs of different models have different
     keys) and shows each scalar tag's last value as a metric column: final val/acc, time/epoch_s_mean, ..."""
-    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params, flop_share, overridden), {})
+    _, session_start, session_end = hparams(hparams_of(cfg, device, num_params, flop_share, overridden, conv_share), {})
     writer.file_writer.add_summary(session_start)
     writer.file_writer.add_summary(session_end)
 

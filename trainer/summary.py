@@ -48,6 +48,7 @@ JOB_COLUMNS = (
     ("job", "job", "{}"),
     ("overrides", "overrides", "{}"),
     ("linear", "linear", "{}"),
+    ("conv", "conv", "{}"),
     ("val_acc", "val/acc", "{:.2%}"),
     ("val_acc_best", "val/acc_best", "{:.2%}"),
     ("epoch_s_mean", "time/epoch_s_mean", "{:.3f}"),
@@ -68,10 +69,11 @@ def write_text_atomic(path, text):
     os.replace(temporary, path)
 
 
-def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_flop_share=None, warmup_epochs=(0,)):
+def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_flop_share=None, warmup_epochs=(0,),
+                      conv_flop_share=None):
     """summary.json for a finished run, from its per-epoch metrics (a list of {tag: value}, one per epoch),
     each epoch's step times (a list of lists, for the interval around a speed ratio) with the epochs that
-    warmed a process up, and the share of the network's FLOPs in its linear layers.
+    warmed a process up, and the shares of the network's FLOPs in its linear layers and its convolutions.
 
     Example:
         >>> write_run_summary("outputs/try", [{"val/acc": 0.9, "time/epoch_s": 0.5, ...}], 200_000)
@@ -89,6 +91,8 @@ def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_fl
     }
     if linear_flop_share is not None:
         summary["linear_flop_share"] = linear_flop_share
+    if conv_flop_share is not None:
+        summary["conv_flop_share"] = conv_flop_share
     if step_times_s is not None:
         summary[STEP_TIMES_KEY] = step_times_s
         summary[WARMUP_EPOCHS_KEY] = list(warmup_epochs)
@@ -131,7 +135,8 @@ def job_rows(sweep_dir):
         finished = (job_dir / RUN_SUMMARY_NAME).is_file()
         rows.append({
             "num": num, "job": job_dir.name, "overrides": " ".join(overrides), "override_list": overrides,
-            "linear": config.linear.name, **(read_run_summary(job_dir) if finished else {"error": job_error(job_dir)}),
+            "linear": config.linear.name, "conv": config.get("conv", {}).get("name", "torch"),
+            **(read_run_summary(job_dir) if finished else {"error": job_error(job_dir)}),
         })
     return sorted(rows, key=lambda row: row["num"])
 
@@ -140,14 +145,15 @@ def override_key(override):
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def linear_pairs(rows):
-    """(torch row, custom row) for every two finished jobs whose overrides differ only in `linear`."""
+def linear_pairs(rows, group="linear"):
+    """(torch row, custom row) for every two finished jobs whose overrides differ only in `group` (linear or
+    conv)."""
     groups = {}
     for row in rows:
         if "error" in row:
             continue
-        rest = tuple(sorted(o for o in row["override_list"] if override_key(o) != "linear"))
-        groups.setdefault(rest, {}).setdefault(row["linear"], row)
+        rest = tuple(sorted(o for o in row["override_list"] if override_key(o) != group))
+        groups.setdefault(rest, {}).setdefault(row[group], row)
     return [(group["torch"], group["custom"]) for group in groups.values() if {"torch", "custom"} <= set(group)]
 
 
@@ -166,9 +172,9 @@ def share_text(share):
     return f"{share:.0%}" if share >= 0.01 else f"{100 * share:.2g}%"
 
 
-def coverage_note(custom_row):
+def coverage_note(custom_row, group="linear"):
     """What a pair's ratio can say about the kernel: the share of the network's FLOPs the swapped layers do."""
-    share = custom_row.get("linear_flop_share")
+    share = custom_row.get(f"{group}_flop_share")
     if share is None:
         return "-"
     note = f"{share_text(share)} of the FLOPs"
@@ -177,9 +183,9 @@ def coverage_note(custom_row):
     return note
 
 
-def others_text(override_list):
-    """A pair's overrides besides `linear`, as markdown code, or '(none)'."""
-    others = " ".join(o for o in override_list if override_key(o) != "linear")
+def others_text(override_list, group="linear"):
+    """A pair's overrides besides `group`, as markdown code, or '(none)'."""
+    others = " ".join(o for o in override_list if override_key(o) != group)
     return f"`{others}`" if others else "(none)"
 
 
@@ -219,15 +225,15 @@ def markdown_table(header, lines):
     )
 
 
-def comparison_cells(torch_row, custom_row):
+def comparison_cells(torch_row, custom_row, group="linear"):
     ratio = speedup(torch_row, custom_row)
     figures = [f"{ratio.value:.2f}x", ratio.interval_text(), ratio.verdict] if ratio else [
         "-", "-", "no step times recorded (a summary from an older version)"]
-    return [others_text(custom_row["override_list"]), *figures, coverage_note(custom_row),
+    return [others_text(custom_row["override_list"], group), *figures, coverage_note(custom_row, group),
             f"{val_acc_diff_points(torch_row, custom_row):+.2f} points"]
 
 
-def to_markdown(sweep_dir, rows, pairs):
+def to_markdown(sweep_dir, rows, pairs, conv_pairs=()):
     finished = [row for row in rows if "error" not in row]
     failed = [row for row in rows if "error" in row]
     jobs = markdown_table(
@@ -252,6 +258,14 @@ def to_markdown(sweep_dir, rows, pairs):
                  "where there are more; trainer/timing.py). It covers the noise within the two jobs, not a "
                  "disturbance that lasts a whole job: they ran one after the other or beside other jobs. For a "
                  "fair measurement interleave the two linears' epochs in one process (`python -m bench.train`).\n")
+    if conv_pairs:
+        comparisons = markdown_table(
+            ["overrides besides conv", "speedup custom/torch", "95% interval", "verdict", "convolutions do",
+             "val_acc custom - torch"],
+            [comparison_cells(torch_row, custom, "conv") for torch_row, custom in conv_pairs],
+        )
+        text += (f"\n## conv=custom vs conv=torch (mean step time ratios)\n\n{comparisons}\n\n"
+                 "The interval is computed as for the linear pairs above, with the same caveat.\n")
     return text
 
 
@@ -264,7 +278,7 @@ def summarize_sweep(sweep_dir, rows=None):
     """
     rows = job_rows(sweep_dir) if rows is None else rows
     pairs = linear_pairs(rows)
-    markdown = to_markdown(sweep_dir, rows, pairs)
+    markdown = to_markdown(sweep_dir, rows, pairs, linear_pairs(rows, "conv"))
     write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, pairs))
     write_text_atomic(Path(sweep_dir) / MARKDOWN_NAME, markdown)
     write_speedup_curves(sweep_dir, pairs)

@@ -1,0 +1,295 @@
+"""ext.conv2d and ext.Conv2d against F.conv2d and nn.Conv2d: forward and every gradient in float64 (to
+rounding) and float32, PyTorch's own samples, drawn shapes, memory formats, registration, refusals."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+from torch import nn
+
+import ext
+from conftest import assert_within_rounding, num_threads
+
+
+def with_grads(x, w, b):
+    return [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+
+
+def conv_and_grads(conv, x, w, b, grad, **kwargs):
+    x, w, b = with_grads(x, w, b)
+    y = conv(x, w, b, **kwargs)
+    inputs = [t for t in (x, w, b) if t is not None]
+    return y, torch.autograd.grad(y, inputs, grad)
+
+
+def assert_matches_torch(x, w, b=None, **kwargs):
+    """ext.conv2d's output and gradients within rounding of F.conv2d's in float64, from the same inputs; the
+    magnitudes (the sums of |terms|) are the same convolution of the absolute values."""
+    y = ext.conv2d(x, w, b, **kwargs)
+    reference = F.conv2d(x.double(), w.double(), None if b is None else b.double(), **kwargs)
+    assert y.dtype == x.dtype and y.shape == reference.shape
+    grad = torch.randn_like(reference)
+    abs_in = with_grads(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    magnitude = F.conv2d(*abs_in, **kwargs)
+    mag_grads = torch.autograd.grad(magnitude, [t for t in abs_in if t is not None], grad.abs())
+    y_ext, grads = conv_and_grads(ext.conv2d, x, w, b, grad.to(x.dtype), **kwargs)
+    _, grads_ref = conv_and_grads(F.conv2d, x.double(), w.double(), None if b is None else b.double(), grad,
+                                  **kwargs)
+    patch = w[0].numel()
+    pixels = reference.shape[0] * reference.shape[2] * reference.shape[3] if reference.dim() == 4 else \
+        reference.shape[1] * reference.shape[2]
+    assert_within_rounding(y, reference, magnitude.detach(), patch + 1)
+    terms = [w.shape[0] * w.shape[2] * w.shape[3], pixels, pixels]
+    for ours, ref, mag, n, name in zip(grads, grads_ref, mag_grads, terms, ("input", "weight", "bias")):
+        assert ours.shape == ref.shape, name
+        assert_within_rounding(ours, ref, mag, n)
+    return y
+
+
+def same_layout(a, b):
+    """The same strides wherever they matter: dimensions of size 1 (or an empty tensor) have any stride."""
+    return a.numel() == 0 or all(sa == sb for sa, sb, size in zip(a.stride(), b.stride(), a.shape) if size > 1)
+
+
+SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
+    ((2, 3, 8, 8), (4, 3, 3), 1, 1, 1),
+    ((2, 3, 8, 9), (5, 3, 2), 2, 1, 1),
+    ((1, 4, 5, 7), (3, 1, 1), 1, 0, 1),          # pointwise: the input is im2col
+    ((3, 2, 7, 6), (4, 3, 3), (2, 1), (1, 2), (1, 2)),
+    ((2, 5, 4, 4), (6, 5, 5), 1, 2, 1),
+    ((2, 3, 3, 3), (2, 5, 5), 1, 2, 1),          # a kernel larger than the input, padded
+    ((2, 1, 1, 1), (1, 1, 1), 1, 0, 1),
+    ((64, 6, 4, 4), (7, 3, 3), 1, 1, 1),         # small images: chunks span images (staged output)
+    ((2, 16, 40, 40), (8, 3, 3), 1, 1, 1),       # several chunks per image
+    ((2, 8, 33, 35), (24, 1, 1), 2, 0, 1),       # strided 1x1 downsample
+    ((3, 7, 20, 21), (5, 2, 3), 3, 2, 2),
+    ((2, 4, 9, 9), (3, 3, 3), 4, 0, 1),          # stride larger than the kernel
+    ((1, 70, 6, 6), (9, 3, 3), 1, 1, 1),         # patch 630 > one K block of doubles (400)
+    ((5, 20, 12, 12), (130, 3, 3), 2, 1, 1),     # more than 128 output channels: col is packed
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_gradients_match_torch(shape, bias, dtype):
+    (n, c, h, w), (k, r, s), stride, padding, dilation = shape
+    torch.manual_seed(0)
+    x, weight = torch.randn(n, c, h, w, dtype=dtype), torch.randn(k, c, r, s, dtype=dtype)
+    b = torch.randn(k, dtype=dtype) if bias else None
+    assert_matches_torch(x, weight, b, stride=stride, padding=padding, dilation=dilation)
+
+
+@given(n=st.integers(0, 4), c=st.integers(1, 9), k=st.integers(1, 20), h=st.integers(1, 14), w=st.integers(1, 14),
+       r=st.integers(1, 5), s=st.integers(1, 5), stride=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       padding=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+       dilation=st.tuples(st.integers(1, 3), st.integers(1, 3)), bias=st.booleans(),
+       channels_last=st.booleans())
+def test_drawn_shapes_match_torch(n, c, k, h, w, r, s, stride, padding, dilation, bias, channels_last):
+    reach_h, reach_w = dilation[0] * (r - 1) + 1, dilation[1] * (s - 1) + 1
+    if h + 2 * padding[0] < reach_h or w + 2 * padding[1] < reach_w:
+        return  # no output: the refusal is tested below
+    x = torch.randn(n, c, h, w, dtype=torch.float64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    y = assert_matches_torch(x, torch.randn(k, c, r, s, dtype=torch.float64),
+                             torch.randn(k, dtype=torch.float64) if bias else None,
+                             stride=stride, padding=padding, dilation=dilation)
+    expected = F.conv2d(x, torch.randn(k, c, r, s, dtype=torch.float64), stride=stride, padding=padding,
+                        dilation=dilation)
+    assert same_layout(y, expected)
+
+
+def test_gradcheck_float64():
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: ext.conv2d(*a, stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+                                    (x, w, b))
+
+
+def pytorch_samples(dtype):
+    """The samples PyTorch's own OpInfo tests F.conv2d with, groups=1 only."""
+    from torch.testing._internal.common_methods_invocations import op_db
+    info = next(op for op in op_db if op.name == "nn.functional.conv2d")
+    return [sample for sample in info.sample_inputs("cpu", dtype) if sample.kwargs.get("groups", 1) == 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_pytorch_opinfo_samples(dtype):
+    samples = pytorch_samples(dtype)
+    assert len(samples) >= 8
+    for sample in samples:
+        weight, *rest = sample.args
+        bias = rest[0] if rest else sample.kwargs.get("bias")
+        kwargs = {key: value for key, value in sample.kwargs.items() if key not in ("bias", "groups")}
+        assert_matches_torch(sample.input, weight, bias, **kwargs)
+
+
+def test_pytorch_module_samples():
+    """nn.Conv2d's samples from PyTorch's module_db, through ext.Conv2d built from the same constructor."""
+    from torch.testing._internal.common_modules import module_db
+    info = next(m for m in module_db if m.module_cls is nn.Conv2d)
+    samples = info.module_inputs_func(info, device="cpu", dtype=torch.float64, requires_grad=True, training=True)
+    assert samples
+    for sample in samples:
+        args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+        torch.manual_seed(0)
+        theirs = nn.Conv2d(*args, **kwargs, dtype=torch.float64)
+        torch.manual_seed(0)
+        ours = ext.Conv2d(*args, **kwargs, dtype=torch.float64)
+        x = sample.forward_input.args[0].detach()
+        for module in (theirs, ours):
+            module.zero_grad()
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        outs = [module(xi) for module, xi in zip((theirs, ours), xs)]
+        torch.testing.assert_close(outs[1], outs[0])
+        for out in outs:
+            out.sum().backward()
+        torch.testing.assert_close(xs[1].grad, xs[0].grad)
+        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+@pytest.mark.parametrize("kernel", [(3, 3), (4, 2), (2, 5)])
+def test_string_paddings_including_even_kernels(padding, kernel):
+    x, w = torch.randn(2, 3, 9, 11, dtype=torch.float64), torch.randn(4, 3, *kernel, dtype=torch.float64)
+    for dilation in (1, 2):
+        assert_matches_torch(x, w, padding=padding, dilation=dilation)
+
+
+def test_unbatched_input_and_batch_zero():
+    w = torch.randn(5, 3, 3, 3, dtype=torch.float64)
+    y = assert_matches_torch(torch.randn(3, 7, 6, dtype=torch.float64), w, padding=1)
+    assert y.shape == (5, 7, 6)
+    empty = torch.randn(0, 3, 7, 6, dtype=torch.float64, requires_grad=True)
+    y = ext.conv2d(empty, w.requires_grad_(), padding=1)
+    assert y.shape == (0, 5, 7, 6)
+    y.sum().backward()
+    assert empty.grad.shape == empty.shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("layout", ["channels_last_input", "channels_last_weight", "strided", "transposed"])
+def test_memory_formats_and_strides(layout):
+    x, w = torch.randn(3, 6, 10, 12, dtype=torch.float64), torch.randn(8, 6, 3, 3, dtype=torch.float64)
+    if layout == "channels_last_input":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "channels_last_weight":
+        w = w.to(memory_format=torch.channels_last)
+    elif layout == "strided":
+        x = torch.randn(3, 12, 20, 12, dtype=torch.float64)[:, ::2, ::2]
+    else:
+        x = x.transpose(2, 3)
+    y = assert_matches_torch(x, w, padding=1)
+    assert same_layout(y, F.conv2d(x, w, padding=1))
+    x, w = with_grads(x, w, None)[:2]
+    ext.conv2d(x, w, padding=1).sum().backward()
+    x_ref, w_ref = with_grads(x, w, None)[:2]
+    F.conv2d(x_ref, w_ref, padding=1).sum().backward()
+    assert same_layout(w.grad, w_ref.grad) and same_layout(x.grad, x_ref.grad)
+
+
+def test_results_are_the_same_bits_on_any_thread_count():
+    """Threads split pixels (forward), dW's columns and dX's channels, never a sum."""
+    torch.manual_seed(0)
+    cases = [((16, 32, 16, 16), (48, 32, 3, 3)), ((64, 40, 4, 4), (72, 40, 3, 3)), ((4, 24, 30, 30), (16, 24, 1, 1))]
+    for x_shape, w_shape in cases:
+        x, w, b = torch.randn(x_shape), torch.randn(w_shape), torch.randn(w_shape[0])
+        grad = torch.randn(F.conv2d(x, w, padding=1).shape if w_shape[2] == 3 else F.conv2d(x, w).shape)
+        padding = 1 if w_shape[2] == 3 else 0
+        results = []
+        for threads in (1, 2, 3):
+            with num_threads(threads):
+                results.append(conv_and_grads(ext.conv2d, x, w, b, grad, padding=padding))
+        for y, grads in results[1:]:
+            assert torch.equal(y, results[0][0])
+            assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
+
+
+@pytest.mark.parametrize("path", ["portable", "avx2+fma"])
+def test_every_cpu_path_computes_the_same_convolution(path):
+    if path == "avx2+fma" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    x, w = torch.randn(4, 12, 9, 9, dtype=torch.float64), torch.randn(20, 12, 3, 3, dtype=torch.float64)
+    previous = torch.ops.ext.cpu_path()
+    torch.ops.ext.set_cpu_path(path)
+    try:
+        assert_matches_torch(x, w, torch.randn(20, dtype=torch.float64), stride=2, padding=1)
+        assert_matches_torch(x.float(), w.float(), padding=1)
+    finally:
+        torch.ops.ext.set_cpu_path(previous)
+
+
+def test_cpu_autocast_runs_float32():
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ext.conv2d(x.bfloat16(), w, padding=1)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, F.conv2d(x.bfloat16().float(), w, padding=1))
+
+
+@pytest.mark.parametrize("make_call, message", [
+    (lambda: ext.conv2d(torch.randn(2, 4, 5, 5), torch.randn(4, 2, 3, 3), groups=2), "groups=2 is not supported"),
+    (lambda: ext.conv2d(torch.randn(2, 4, 5, 5), torch.randn(4, 3, 3, 3)), "input has 4 channels but weight "
+                                                                           "expects 3"),
+    (lambda: ext.conv2d(torch.randn(2, 4, 5, 5).half(), torch.randn(4, 4, 3, 3).half()), "dtype Half is not "
+                                                                                          "supported on the CPU"),
+    (lambda: ext.conv2d(torch.randn(2, 4, 5, 5), torch.randn(4, 4, 3, 3).double()), "cast both to the same dtype"),
+    (lambda: ext.conv2d(torch.randn(4, 5), torch.randn(4, 4, 3, 3)), "input must be 4-D"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3)), "weight must be 4-D"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 2, 2), torch.randn(4, 4, 3, 3)), "smaller than the kernel's reach"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3), stride=0), "stride must be positive"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3), padding=-1), "must not be negative"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3), stride=2, padding="same"),
+     "padding='same' is not supported for strided"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3), padding="full"), "'valid' or 'same'"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5), torch.randn(4, 4, 3, 3), torch.randn(3)), "bias must have "
+                                                                                          "shape [4]"),
+    (lambda: ext.conv2d(torch.randn(1, 4, 5, 5).to_sparse(), torch.randn(4, 4, 3, 3)), ".to_dense()"),
+    (lambda: ext.Conv2d(4, 8, 3, groups=2), "groups=2 is not supported"),
+])
+def test_refusals_say_what_to_do_in_one_line(make_call, message):
+    with pytest.raises((RuntimeError, ValueError, TypeError)) as error:
+        make_call()
+    text = str(error.value).splitlines()[0]
+    assert message in text, text
+    assert "Traceback" not in str(error.value)
+
+
+def test_double_backward_is_refused_in_one_line():
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(ext.conv2d(x, w).sum(), x, create_graph=False)
+    assert grad.shape == x.shape
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.grad(ext.conv2d(x, w).sum(), x, create_graph=True)
+
+
+def test_a_cuda_tensor_gets_one_line_saying_what_to_use():
+    if not torch.cuda.is_available():  # the op's CUDA registration, reached through the dispatcher
+        with pytest.raises(RuntimeError) as error:
+            torch.ops.ext.conv2d(torch.empty(1, 1, 3, 3, device="meta"), torch.empty(1, 1, 1, 1, device="meta"),
+                                 None, [1, 1], [0, 0, 0, 0], [1, 1]).cpu()
+        pytest.skip("no GPU here: the CUDA refusal is checked where one is")
+    with pytest.raises(RuntimeError, match="runs on the CPU only so far"):
+        ext.conv2d(torch.randn(1, 2, 5, 5, device="cuda"), torch.randn(3, 2, 3, 3, device="cuda"))
+
+
+@pytest.mark.parametrize("case", ["plain", "strided_pointwise", "staged"])
+def test_opcheck(case):
+    shapes = {"plain": ((2, 3, 7, 6), (4, 3, 3, 3), [1, 1], [1, 1, 0, 2]),
+              "strided_pointwise": ((2, 5, 6, 6), (4, 5, 1, 1), [2, 2], [0, 0, 0, 0]),
+              "staged": ((9, 4, 3, 3), (6, 4, 3, 3), [1, 1], [1, 1, 1, 1])}[case]
+    x_shape, w_shape, stride, padding = shapes
+    x = torch.randn(x_shape, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(w_shape, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(w_shape[0], dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.ext.conv2d.default, (x, w, b, stride, padding, [1, 1]))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    model = nn.Sequential(ext.Conv2d(3, 8, 3, padding=1), nn.ReLU(), ext.Conv2d(8, 4, 1, stride=2))
+    x = torch.randn(2, 3, 10, 10)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).sum().backward()
+    assert model[0].weight.grad is not None
