@@ -5,12 +5,15 @@
     python -m bench.train --epochs 2 --train-size 2560 model=resnet18   # any model; add --malloc-defaults
     python -m bench.train --threads 2 --markdown bench_train.md         # the results as a markdown table too
     python -m bench.train --compiled-torch                              # and torch.compile'd nn.Linear
+    python -m bench.train --conv --epochs 2 --train-size 2560 model=resnet18 data.image_size=[3,32,32]
+                                                     # custom runs its convolutions on ext.conv2d too
 
 Both models start from the same weights and train on the same in-memory batches through the trainer's own
 train_one_epoch, with the trainer's own switches (trainer.amp, trainer.channels_last, trainer.compile); their
 epochs alternate (torch, custom, torch, ...) so that a busy moment on the machine hits both alike. The
 speedup is the ratio of mean step times, with a bootstrap interval over the steps and a verdict
-(trainer/timing.py). --compiled-torch adds linear=torch under torch.compile as a third side.
+(trainer/timing.py). --compiled-torch adds linear=torch under torch.compile as a third side. With --conv the
+custom side is linear=custom conv=custom and every torch side conv=torch: the whole ResNet step on our kernels.
 """
 import argparse
 import statistics
@@ -47,6 +50,8 @@ def main(argv=None):
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does)")
     parser.add_argument("--compiled-torch", action="store_true",
                         help="add a third side: linear=torch under torch.compile, what a user would try first")
+    parser.add_argument("--conv", action="store_true",
+                        help="the custom side runs conv=custom too (the torch sides conv=torch)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the results as a markdown table")
     parser.add_argument("overrides", nargs="*",
                         help="more trainer overrides, e.g. model.hidden_sizes=[512,512], model=resnet18, "
@@ -57,9 +62,10 @@ def main(argv=None):
 
     common = ["model=mlp", "data=fake", "data.image_size=[1,28,28]", f"data.train_size={args.train_size}",
               "data.val_size=16", f"data.batch_size={args.batch_size}", "data.loader=memory", *args.overrides]
-    sides = {"torch": ["linear=torch"], "custom": ["linear=custom"]}
+    conv = ["conv=custom"] if args.conv else []
+    sides = {"torch": ["linear=torch", "conv=torch"], "custom": ["linear=custom", *conv]}
     if args.compiled_torch:
-        sides[COMPILED_TORCH] = ["linear=torch", "trainer.compile=true"]
+        sides[COMPILED_TORCH] = ["linear=torch", "conv=torch", "trainer.compile=true"]
     overrides = {side: common + extra for side, extra in sides.items()}
     for side_overrides in overrides.values():
         config.check_command_line(side_overrides)  # a bad override ends in one line, as with train.py
@@ -94,7 +100,7 @@ def main(argv=None):
     model_cfg = configs["torch"].model
     model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
     switches = " ".join(override for override in args.overrides if override.startswith("trainer."))
-    setup = (f"model={model_text}, {args.train_size:,} x {image_shape}, batch {args.batch_size}, {device}, "
+    setup = (f"model={model_text}{' (custom: conv=custom too)' if args.conv else ''}, {args.train_size:,} x {image_shape}, batch {args.batch_size}, {device}, "
              f"{logs.counted(args.threads, 'thread')}, {logs.counted(args.epochs, 'timed epoch')} each"
              f"{', ' + switches if switches else ''}; malloc: {malloc}")
     print(f"\n{describe_cpu()}\n{setup}")

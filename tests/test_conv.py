@@ -293,3 +293,95 @@ def test_torch_compile_traces_without_graph_breaks():
     torch.testing.assert_close(compiled(x), model(x))
     compiled(x).sum().backward()
     assert model[0].weight.grad is not None
+
+
+# ext.Conv2d and replace_convs
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_module_has_nn_conv2ds_init_state_dict_and_repr(bias):
+    args = (3, 8, (3, 2))
+    kwargs = dict(stride=(2, 1), padding=(1, 0), dilation=(1, 2), bias=bias, dtype=torch.float64)
+    torch.manual_seed(0)
+    theirs = nn.Conv2d(*args, **kwargs)
+    torch.manual_seed(0)
+    ours = ext.Conv2d(*args, **kwargs)
+    assert repr(ours) == repr(theirs)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+    back = nn.Conv2d(*args, **kwargs)
+    back.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), back(x))
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "replicate", "circular"])
+def test_every_padding_mode_matches_nn_conv2d(padding_mode):
+    torch.manual_seed(0)
+    theirs = nn.Conv2d(4, 6, 3, padding=(1, 2), padding_mode=padding_mode, dtype=torch.float64)
+    ours = ext.Conv2d.from_conv2d(theirs)
+    assert ours.weight is theirs.weight and ours.padding_mode == padding_mode
+    x = torch.randn(2, 4, 7, 9, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+def test_from_conv2d_refuses_grouped_and_computed_weights_saying_what_to_do():
+    with pytest.raises(ValueError, match="keep this layer an nn.Conv2d"):
+        ext.Conv2d.from_conv2d(nn.Conv2d(4, 4, 3, groups=4))
+    with pytest.raises(TypeError, match="use ext.replace_convs"):
+        ext.Conv2d.from_conv2d(nn.utils.parametrizations.weight_norm(nn.Conv2d(4, 4, 3)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.shared = nn.Conv2d(8, 8, 1)
+        self.normed = nn.utils.parametrizations.weight_norm(nn.Conv2d(8, 8, 3, padding=1))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.shared(self.shared(self.depthwise(self.stem(x)).relu()))
+        return self.head(self.normed(x).mean((2, 3)))
+
+
+def test_replace_convs_converts_in_place_and_names_what_it_left():
+    torch.manual_seed(0)
+    model = Net().double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    expected = model(x)
+    stem, hook_calls = model.stem, []
+    stem.register_forward_hook(lambda *args: hook_calls.append(1))
+    left = ext.replace_convs(model)
+    assert left == ["depthwise (groups != 1)"]
+    assert model.stem is stem and type(stem) is ext.Conv2d and type(model.shared) is ext.Conv2d
+    assert isinstance(model.normed, ext.Conv2d) and type(model.depthwise) is nn.Conv2d
+    torch.testing.assert_close(model(x), expected)
+    assert hook_calls == [1]
+    nn.utils.parametrize.remove_parametrizations(model.normed, "weight")
+    assert type(model.normed) is ext.Conv2d
+
+
+def test_a_resnet_trains_the_same_with_either_convolution():
+    """ResNet-18 (CIFAR stem) from the same weights, three SGD steps each way: the same losses and weights."""
+    import models
+    torch.manual_seed(0)
+    reference = models.build_model("resnet18", num_classes=10, small_input=True).double()
+    ours = models.build_model("resnet18", num_classes=10, small_input=True).double()
+    ours.load_state_dict(reference.state_dict())
+    assert ext.replace_convs(ours) == []
+    x, y = torch.randn(4, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (4,))
+    losses = {}
+    for name, model in (("torch", reference), ("ext", ours)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses[name] = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    assert losses["ext"] == pytest.approx(losses["torch"], rel=1e-9)
+    for (key, a), b in zip(reference.state_dict().items(), ours.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-10, msg=key)

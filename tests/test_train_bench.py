@@ -63,3 +63,34 @@ def test_a_bad_argument_or_override_is_one_line(capsys, argv, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bench_conv_flag_runs_the_custom_resnet_on_our_convolutions(monkeypatch):
+    import ext
+    seen = []
+    real_epoch = bench_train.train.train_one_epoch
+
+    def one_epoch(model, *args, **kwargs):
+        seen.append({type(m) for m in model.modules() if isinstance(m, torch.nn.Conv2d)})
+        return real_epoch(model, *args, **kwargs)
+
+    monkeypatch.setattr(bench_train.train, "train_one_epoch", one_epoch)
+    bench_train.main(["--epochs", "1", "--train-size", "16", "--batch-size", "8", "--conv", "model=resnet18",
+                      "data.image_size=[3,16,16]"])
+    assert seen == [{torch.nn.Conv2d}, {ext.Conv2d}] * 2  # torch, custom; warm-up and timed epoch
+
+
+def test_bench_conv_times_each_pass_and_names_the_cpu(capsys, tmp_path):
+    from bench import conv as bench_conv
+    table = tmp_path / "bench_conv.md"
+    bench_conv.main(["--threads", "1", "--shapes", "8->16@6k3s1,4->8@5k1s2", "--batch", "2", "--rounds", "2",
+                     "--min-run-time", "0.01", "--markdown", str(table)])
+    shown = capsys.readouterr().out
+    markdown = table.read_text()
+    assert describe_cpu() in markdown and markdown.startswith("`python -m bench.conv --threads 1")
+    for shape in ("8->16@6k3s1", "4->8@5k1s2"):
+        assert all(f"| {shape} | {p} |" in markdown for p in ("forward", "backward", "fwd+bwd"))
+    assert re.search(r"geomean torch/ext, fwd\+bwd: [\d.]+ \(by round [\d.]+-[\d.]+\); lowest [\d.]+", shown)
+    assert bench_conv.flops(bench_conv.ConvShape(8, 16, 6, 3, 1), 2, "forward") == 2 * 2 * 16 * 36 * 8 * 9
+    with pytest.raises(SystemExit):
+        bench_conv.main(["--shapes", "8->16@32"])  # malformed: one line from the parser
