@@ -37,19 +37,24 @@ struct ChunkPlan {
 };
 
 template <typename T>
-ChunkPlan plan_chunks(const ConvGeometry& g) {
-  const int64_t chunk = chunk_pixels<T>(g.patch()), hw = g.out_pixels_per_image(), total = g.batch * hw;
+ChunkPlan plan_chunks(const ConvGeometry& g, int64_t threads = 1) {
+  const int64_t hw = g.out_pixels_per_image(), total = g.batch * hw;
+  int64_t chunk = chunk_pixels<T>(g.patch());
   ChunkPlan plan{2 * hw >= chunk, {}};
   if (plan.per_image) {
-    const int64_t pieces = (hw + chunk - 1) / chunk;
     for (int64_t n = 0; n < g.batch; ++n)
-      for (int64_t i = 0; i < pieces; ++i) {
-        const int64_t p0 = hw * i / pieces, p1 = hw * (i + 1) / pieces;
-        plan.chunks.push_back({n * hw + p0, p1 - p0});
-      }
-  } else {
-    for (int64_t q = 0; q < total; q += chunk) plan.chunks.push_back({q, std::min(chunk, total - q)});
+      for (int64_t p0 = 0; p0 < hw; p0 += chunk) plan.chunks.push_back({n * hw + p0, std::min(chunk, hw - p0)});
+    return plan;
   }
+  // The forward's threads take whole chunks: few chunks are evened out over them (2048 pixels of
+  // 4x4 images in 480s would give one thread 3 chunks and the other 2). Its sums do not cross
+  // chunks, so this changes no result; dX and dW keep the plan of one thread.
+  const int64_t chunks = (total + chunk - 1) / chunk;
+  if (threads > 1 && chunks < 8 * threads) {
+    const int64_t balanced = (chunks + threads - 1) / threads * threads;
+    chunk = (total + balanced - 1) / balanced;
+  }
+  for (int64_t q = 0; q < total; q += chunk) plan.chunks.push_back({q, std::min(chunk, total - q)});
   return plan;
 }
 
@@ -76,7 +81,22 @@ class Workspace {
   size_t capacity_ = 0;
 };
 
-thread_local Workspace t_columns;
+thread_local Workspace t_columns, t_outputs;
+
+// Row strides of whole 4 KiB pages put every row of a GEMM tile in the same few L1 sets (the
+// rows of a 32x32 image's channels are 4 KiB apart). Buffers the kernels lay out themselves
+// get rows 64 bytes longer instead.
+template <typename T>
+bool page_multiple(int64_t row_stride) {
+  return row_stride * static_cast<int64_t>(sizeof(T)) % 4096 == 0;
+}
+
+template <typename T>
+int64_t padded_stride(int64_t count) {
+  const int64_t lanes = 64 / static_cast<int64_t>(sizeof(T));
+  const int64_t rounded = (count + lanes - 1) / lanes * lanes;
+  return page_multiple<T>(rounded) ? rounded + lanes : rounded;
+}
 
 template <typename T>
 std::unique_ptr<T[]> uninitialized(int64_t count) {
@@ -138,8 +158,8 @@ void gather_columns(const ConvGeometry& g, const T* input, const std::vector<Row
       const int64_t lo = std::clamp(e.ow_lo, run.ow0, run.ow1), hi = std::clamp(e.ow_hi, lo, run.ow1);
       for (int64_t ow = run.ow0; ow < lo; ++ow) out[ow] = T(0);
       const T* in = input + ((run.n * g.in_channels + e.c) * g.height + ih) * g.width + e.column_offset;
-      if (g.stride_w == 1) {
-        std::memcpy(out + lo, in + lo, static_cast<size_t>(hi - lo) * sizeof(T));
+      if (g.stride_w == 1) {  // a loop, not memcpy: most runs are a few values (a 4x4 or 8x8 image's rows)
+        for (int64_t ow = lo; ow < hi; ++ow) out[ow] = in[ow];
       } else {
         for (int64_t ow = lo; ow < hi; ++ow) out[ow] = in[ow * g.stride_w];
       }
@@ -215,9 +235,10 @@ int64_t patch_block_rows(int64_t patch) {
 
 template <typename T>
 int64_t chunk_pixels(int64_t patch) {
-  const int64_t fit = block_sizes<T>(active_cpu_path()).l2_bytes / 2 /
-                      (patch_block_rows<T>(patch) * static_cast<int64_t>(sizeof(T)));
-  return std::clamp<int64_t>(fit / kChunkPixelMultiple * kChunkPixelMultiple, kChunkPixelMultiple, kMaxChunkPixels);
+  const BlockSizes b = block_sizes<T>(active_cpu_path());
+  const int64_t fit = b.l2_bytes / 2 / (patch_block_rows<T>(patch) * static_cast<int64_t>(sizeof(T)));
+  // Whole column panels of the GEMM's tile: a ragged last panel runs a narrower, slower tile.
+  return std::clamp<int64_t>(fit / b.wide_nr * b.wide_nr, b.wide_nr, kMaxChunkPixels / b.wide_nr * b.wide_nr);
 }
 
 template <typename T>
@@ -230,7 +251,7 @@ int64_t conv2d_workspace_bytes(const ConvGeometry& g, int64_t threads) {
 
 template <typename T>
 void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, const T* bias, T* output) {
-  const ChunkPlan plan = plan_chunks<T>(g);
+  const ChunkPlan plan = plan_chunks<T>(g, at::in_parallel_region() ? 1 : at::get_num_threads());
   const int64_t K = g.out_channels, patch = g.patch(), hw = g.out_pixels_per_image();
   const int64_t block = patch_block_rows<T>(patch);
   const auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
@@ -238,7 +259,13 @@ void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, cons
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const Chunk chunk = plan.chunks[i];
-      const Operand<T> y = chunk_slice<T>(g, plan, chunk, output, K, staged.get());
+      const Operand<T> out = chunk_slice<T>(g, plan, chunk, output, K, staged.get());
+      // Output rows a page apart (a 32x32 image's channels) are computed into a buffer whose rows
+      // are not, then copied: see padded_stride.
+      const bool buffered = page_multiple<T>(out.row_stride);
+      const Operand<T> y = buffered ? Operand<T>{t_outputs.get<T>(K * padded_stride<T>(chunk.count)),
+                                                 padded_stride<T>(chunk.count)}
+                                    : out;
       // The bias is per row of this product (gemm's is per column): C starts as it, and the
       // products are added.
       if (bias)
@@ -247,17 +274,20 @@ void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, cons
         const Operand<T> x = chunk_slice<T>(g, plan, chunk, const_cast<T*>(input), g.in_channels, nullptr);
         gemm<T>(K, chunk.count, patch, weight, patch, 1, x.data, x.row_stride, 1, nullptr, false, y.data,
                 y.row_stride, /*accumulate=*/bias != nullptr);
-        continue;
+      } else {
+        // im2col a block of rows at a time, each read by the GEMM while it is in L2.
+        list_row_runs(g, chunk, t_runs);
+        const int64_t ldcol = padded_stride<T>(chunk.count);
+        T* col = t_columns.get<T>(block * ldcol);
+        for (int64_t kk = 0; kk < patch; kk += block) {
+          const int64_t rows = std::min(block, patch - kk);
+          gather_columns(g, input, t_runs, kk, kk + rows, col, ldcol);
+          gemm<T>(K, chunk.count, rows, weight + kk, patch, 1, col, ldcol, 1, nullptr, false, y.data, y.row_stride,
+                  /*accumulate=*/kk > 0 || bias != nullptr);
+        }
       }
-      // im2col a block of rows at a time, each read by the GEMM while it is in L2.
-      list_row_runs(g, chunk, t_runs);
-      T* col = t_columns.get<T>(block * chunk.count);
-      for (int64_t kk = 0; kk < patch; kk += block) {
-        const int64_t rows = std::min(block, patch - kk);
-        gather_columns(g, input, t_runs, kk, kk + rows, col, chunk.count);
-        gemm<T>(K, chunk.count, rows, weight + kk, patch, 1, col, chunk.count, 1, nullptr, false, y.data,
-                y.row_stride, /*accumulate=*/kk > 0 || bias != nullptr);
-      }
+      if (buffered)
+        for (int64_t k = 0; k < K; ++k) std::copy_n(y.data + k * y.row_stride, chunk.count, out.data + k * out.row_stride);
     }
   });
   if (staged) restage<T>(g.batch, K, hw, staged.get(), output, /*to_staged=*/false);
