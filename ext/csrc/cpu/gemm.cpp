@@ -248,7 +248,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
                int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
                const T* bias, bool relu, T* C, int64_t ldc, bool accumulate_c,
-               const T* shared_packed_a = nullptr) {
+               const T* shared_packed_a = nullptr, const T* prepacked_b = nullptr) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
@@ -273,7 +273,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   const int64_t b_block_bytes = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T));
   const bool b_block_stays_in_l2 = b_block_bytes <= kL2Bytes / 2 &&
                                    b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
-  const bool read_b_in_place = b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
+  const bool read_b_in_place = !prepacked_b && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
   // C's rows a page or more apart, in a C larger than L2 (dW of a 2048-input head,
   // 1000 x 2048, from a batch of 128): down a column panel every row of a tile is
   // on another page, and C is written in 256-byte strips a thousand pages tall. If
@@ -293,7 +293,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // Measured here (1 thread): forward 128x2048->1000 148 -> 164 GFLOP/s, its
   // dX 144 -> 157, forward 128x784->256 170 -> 173. With several A blocks
   // (more than MC rows) every block reuses the packed B block, packed first.
-  const bool pack_b_per_panel = m1 - m0 <= MC && !write_c_by_rows;
+  const bool pack_b_per_panel = !prepacked_b && m1 - m0 <= MC && !write_c_by_rows;
   // Both operands read in place and B's block small enough for L1d (dX of a
   // 10-class head, K = 10): each row tile runs across all columns, so C is written
   // row by row rather than a column panel at a time. Measured here (1 thread,
@@ -302,7 +302,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // column panel's C in this order was slower (8.1 us).
   const bool rows_outer = write_c_by_rows ||
                           (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= kRowsOuterMaxBBytes);
-  T* packed_b = t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
+  T* packed_b = prepacked_b ? const_cast<T*>(prepacked_b)
+                            : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
   T* packed_a = shared_packed_a ? nullptr : t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
   const T* a_panels = shared_packed_a ? shared_packed_a : packed_a;
@@ -313,7 +314,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kc = std::min(KC, K - pc);
       const T* b_block = B + pc * b_rs + jc * b_cs;
-      if (!read_b_in_place && !pack_b_per_panel) uk.pack_b(b_block, b_rs, b_cs, kc, nc, packed_b);
+      if (!read_b_in_place && !pack_b_per_panel && !prepacked_b) uk.pack_b(b_block, b_rs, b_cs, kc, nc, packed_b);
       tile.kc = kc;
       tile.accumulate = pc > 0 || accumulate_c;
       tile.relu = relu && pc + kc == K;
@@ -499,6 +500,22 @@ void gemm(int64_t M, int64_t N, int64_t K,
 }
 
 template <typename T>
+int64_t packed_b_panel_width(int64_t M, int64_t N) {
+  return microkernel_for<T>(M, N).nr;
+}
+
+template <typename T>
+void gemm_packed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* packed_b, T* C,
+                   int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0 || (K == 0 && accumulate)) return;
+  if (K == 0) return fill_bias<T>(M, N, nullptr, false, C, ldc);
+  if (K > std::max(kKC<T>, kMaxSingleKBlock<T>) || N > kNC)
+    throw std::logic_error("ext::cpu::gemm_packed_b: B must be one packed block (K <= one K block, N <= NC)");
+  gemm_slab<T>(microkernel_for<T>(M, N), block_rows(g_active_path), single_block_bytes(g_active_path), 0, M, 0, N, K,
+               A, a_rs, a_cs, nullptr, 0, 0, nullptr, false, C, ldc, accumulate, nullptr, packed_b);
+}
+
+template <typename T>
 ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride,
                               int64_t a_col_stride, const T* B, int64_t b_row_stride, int64_t b_col_stride,
                               const T* bias, bool relu, T* C, int64_t ldc, int64_t panels_per_chunk,
@@ -604,6 +621,12 @@ template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int6
                           const float*, int64_t, int64_t, const float*, bool, float*, int64_t, bool);
 template void gemm<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t,
                            const double*, int64_t, int64_t, const double*, bool, double*, int64_t, bool);
+template int64_t packed_b_panel_width<float>(int64_t, int64_t);
+template int64_t packed_b_panel_width<double>(int64_t, int64_t);
+template void gemm_packed_b<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
+                                   int64_t, bool);
+template void gemm_packed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t, const double*,
+                                    double*, int64_t, bool);
 template void sum_rows<float>(int64_t, int64_t, const float*, int64_t, int64_t, float*);
 template void sum_rows<double>(int64_t, int64_t, const double*, int64_t, int64_t, double*);
 

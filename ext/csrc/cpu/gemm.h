@@ -32,6 +32,18 @@ void gemm(int64_t M, int64_t N, int64_t K,
           const T* bias, bool relu,
           T* C, int64_t ldc, bool accumulate = false);
 
+// B as gemm packs it for an M x N product: ceil(N / width) panels of `width` columns, panel p
+// holding B[k][p·width + j] at p·width·K + k·width + j, zero past column N. A caller that builds
+// B itself (the convolution's im2col) writes it so, and gemm_packed_b reads it without a copy.
+template <typename T>
+int64_t packed_b_panel_width(int64_t M, int64_t N);
+
+// C (+)= A · B, as gemm with accumulate and no bias, B packed as packed_b_panel_width(M, N) says.
+// One thread, K at most one K block (BlockSizes::max_single_k_block or kc) and N at most nc.
+template <typename T>
+void gemm_packed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride, int64_t a_col_stride,
+                   const T* packed_b, T* C, int64_t ldc, bool accumulate);
+
 // One product C = A·B + bias (relu as in gemm) whose columns are computed in chunks of
 // panels_per_chunk column panels of its tile (0: one chunk), taken by any threads in any
 // order through run(). An A read in place costs the chunks nothing; an A that is packed is
