@@ -322,3 +322,81 @@ def test_set_cpu_path_names_the_active_path():
         with cpu_path(path):
             assert ops.cpu_path() == path
     assert ops.cpu_path() == PATHS[-1], "the best path this CPU supports is active by default"
+
+
+# Cache blocking from the running CPU's caches (gemm.cpp: caches, block_rows)
+
+
+def sysfs_caches():
+    """cpu0's L1d and L2 as the kernel reports them, or None where it does not."""
+    import pathlib
+    sizes = {}
+    for index in sorted(pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        value = int(size[:-1]) * {"K": 1024, "M": 1 << 20}[size[-1]] if size[-1] in "KM" else int(size)
+        if (level, kind) == ("1", "Data"):
+            sizes["l1d"] = value
+        elif level == "2" and kind != "Instruction":
+            sizes["l2"] = value
+    return sizes if len(sizes) == 2 else None
+
+
+def expected_mc(path, l2_bytes):
+    """The rule in gemm.cpp: a quarter of L2 (AVX-512) or half (others) in rows of 2 KiB, rounded down to
+    a multiple of every MR of the path."""
+    share, multiple = {"avx512": (4, 24), "avx2+fma": (2, 6), "portable": (2, 4)}[path]
+    return max(multiple, l2_bytes // share // 2048 // multiple * multiple)
+
+
+def test_blocking_follows_this_cpus_caches():
+    caches = sysfs_caches()
+    if caches is None:
+        pytest.skip("this kernel reports no cache sizes in sysfs")
+    for path in PATHS:
+        b = block_sizes(path, torch.float32)
+        assert (b["l1d_bytes"], b["l2_bytes"]) == (caches["l1d"], caches["l2"])
+        assert b["mc"] == expected_mc(path, caches["l2"])
+        assert b["rows_outer_max_b_bytes"] == caches["l1d"] // 2
+
+
+SCRIPT = """
+import torch, torch.nn.functional as F, ext
+b = torch.ops.ext.cpu_block_sizes(torch.ops.ext.cpu_path(), "float32")
+print(b["l1d_bytes"], b["l2_bytes"], b["mc"], b["single_block_bytes"])
+torch.manual_seed(0)
+for m, k, n in [(300, 700, 130), (1000, 64, 520), (10, 2048, 1000)]:
+    x, w = torch.randn(m, k, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
+    assert torch.allclose(ext.linear(x, w), x @ w.t(), rtol=1e-12, atol=1e-10), (m, k, n)
+x, w = torch.randn(6, 40, 12, 12, dtype=torch.float64), torch.randn(50, 40, 3, 3, dtype=torch.float64)
+assert torch.allclose(ext.conv2d(x, w, padding=1), F.conv2d(x, w, padding=1), rtol=1e-12, atol=1e-10)
+"""
+
+
+@pytest.mark.parametrize("caches, l1d, l2", [("l1d=32K,l2=1M", 32768, 1 << 20), ("l1d=32K,l2=512K", 32768, 1 << 19),
+                                             ("l1d=48K,l2=2048K", 49152, 2 << 20)])
+def test_another_cpus_caches_give_its_blocking_and_the_same_results(caches, l1d, l2):
+    """LINEAR_LAB_CPU_CACHES runs the blocking of a Zen 4/5 (1 MiB L2), a Zen 3 (512 KiB) or the Xeon here."""
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LINEAR_LAB_CPU_CACHES": caches})
+    assert result.returncode == 0, result.stderr[-2000:]
+    got_l1d, got_l2, mc, single = map(int, result.stdout.split()[-4:])
+    path = ops.cpu_path()
+    assert (got_l1d, got_l2, mc) == (l1d, l2, expected_mc(path, l2))
+    assert single == l2 // (4 if path == "avx512" else 2)
+
+
+def test_a_malformed_cache_override_is_one_line():
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", "import torch, ext; ext.linear(torch.ones(2, 2), torch.ones(2, 2))"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LINEAR_LAB_CPU_CACHES": "l2=lots"})
+    assert result.returncode != 0
+    assert "LINEAR_LAB_CPU_CACHES='l2=lots' is not l1d=<size>,l2=<size>" in result.stderr

@@ -387,6 +387,7 @@ def resumed_with(overrides):
 
 @pytest.mark.parametrize("override, key, value", [
     ("linear=torch", "linear.name", "torch"),
+    ("conv=custom", "conv.name", "custom"),
     ("trainer.device=cpu", "trainer.device", "cpu"),
     ("trainer.threads=1", "trainer.threads", 1),
     ("data.root=/elsewhere", "data.root", "/elsewhere"),

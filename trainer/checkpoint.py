@@ -217,9 +217,9 @@ def load_model_state(model, model_state, path):
     model.load_state_dict(model_state)
 
 
-# What may differ from the checkpoint's config when a run continues: where it runs and which linear layer
-# computes it (their weights are interchangeable), not what it computes.
-RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "trainer.threads", "linear",
+# What may differ from the checkpoint's config when a run continues: where it runs and which linear layers and
+# convolutions compute it (their weights are interchangeable), not what it computes.
+RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "trainer.threads", "linear", "conv",
                     "data.root", "data.download", "data.num_workers")
 
 

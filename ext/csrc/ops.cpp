@@ -117,6 +117,7 @@ c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, co
                                     {"many_rows_min_rows", b.many_rows_min_rows},
                                     {"b_in_place_max_rows", b.b_in_place_max_rows},
                                     {"rows_outer_max_b_bytes", b.rows_outer_max_b_bytes}, {"l2_bytes", b.l2_bytes},
+                                    {"l1d_bytes", b.l1d_bytes},
                                     {"parallel_min_flops", static_cast<int64_t>(cpu::kParallelMinFlops)},
                                     {"shared_min_flops", static_cast<int64_t>(shared_min_flops())}}) {
     sizes.insert(name, value);

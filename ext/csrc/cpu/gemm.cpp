@@ -17,8 +17,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <deque>
 #include <stdexcept>
 #include <string>
@@ -29,15 +34,87 @@ namespace ext::cpu {
 
 namespace {
 
-// Block sizes for the host they were tuned on: a Xeon (KVM) with, per core, 48 KiB
-// L1d and 2 MiB L2, and a large shared L3. (Zen3, which the project first assumed,
-// has 32 KiB and 512 KiB: the A micro-panel below still fits its L1, and the AVX2
-// path, the one Zen3 takes, gets an MC sized for its L2.) On the AMD EPYC (Zen 4:
-// 32 KiB L1d, 1 MiB L2) that the project later moved to, sizes tuned for its caches
-// (these two at 32 KiB and 1 MiB, kMCAvx512 = 120) were no faster: ext's time per product
-// (bench.linear --products, 1 thread, every shape) 0.92-1.13 of these, geomean 0.996.
-constexpr int64_t kL1dBytes = 48 * 1024;
-constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
+// The caches the blocking is sized for, read from the running CPU once, at the first product:
+// per core, L1d and L2 (sysfs, else sysconf; LINEAR_LAB_CPU_CACHES="l1d=32K,l2=1M" sets them, to
+// run another CPU's blocking here). Each size below says which fraction of which cache it takes.
+// The fractions were measured on an Intel Xeon with 48 KiB L1d and 2 MiB L2, where they give
+// exactly the sizes once tuned there by hand (MC = 240 on the AVX-512 path); on the AMD EPYC
+// (Zen 4: 32 KiB, 1 MiB) the project ran on before, sizes for its caches (MC = 120, what this rule
+// gives there) and the Xeon's ran alike: ext's time per product (bench.linear --products, 1 thread,
+// every shape) 0.92-1.13 of the Xeon's, geomean 0.996.
+struct CacheSizes {
+  int64_t l1d_bytes, l2_bytes;
+  std::string source;  // where they were read
+};
+
+// "48K" -> 49152; "2048K", "1M", "1048576" alike; -1 if not a size.
+int64_t parse_cache_size(std::string text) {
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  if (text.empty()) return -1;
+  int64_t unit = 1;
+  switch (std::toupper(static_cast<unsigned char>(text.back()))) {
+    case 'K': unit = 1024; break;
+    case 'M': unit = 1024 * 1024; break;
+    case 'G': unit = 1024 * 1024 * 1024; break;
+    default: break;
+  }
+  if (unit != 1) text.pop_back();
+  if (text.empty() || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return -1;
+  return std::stoll(text) * unit;
+}
+
+std::string read_line(const std::string& path) {
+  std::ifstream file(path);
+  std::string line;
+  std::getline(file, line);
+  return line;
+}
+
+// Kernel-reported caches of cpu0 (Linux: /sys/devices/system/cpu/cpu0/cache/index*/).
+bool read_sysfs_caches(CacheSizes& sizes) {
+  int64_t l1d = -1, l2 = -1;
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    const std::string level = read_line(dir + "level"), type = read_line(dir + "type");
+    const int64_t size = parse_cache_size(read_line(dir + "size"));
+    if (level == "1" && type == "Data") l1d = size;
+    if (level == "2" && type != "Instruction") l2 = size;
+  }
+  if (l1d <= 0 || l2 <= 0) return false;
+  sizes = {l1d, l2, "sysfs"};
+  return true;
+}
+
+CacheSizes detect_caches() {
+  if (const char* forced = std::getenv("LINEAR_LAB_CPU_CACHES")) {
+    CacheSizes sizes{-1, -1, "LINEAR_LAB_CPU_CACHES"};
+    std::stringstream items(forced);
+    for (std::string item; std::getline(items, item, ',');) {
+      const auto eq = item.find('=');
+      const std::string name = item.substr(0, eq);
+      const int64_t size = eq == std::string::npos ? -1 : parse_cache_size(item.substr(eq + 1));
+      if (name == "l1d") sizes.l1d_bytes = size;
+      else if (name == "l2") sizes.l2_bytes = size;
+      else sizes.l1d_bytes = -1;
+      if (size <= 0) sizes.l1d_bytes = -1;
+    }
+    if (sizes.l1d_bytes < 4096 || sizes.l2_bytes < 64 * 1024)
+      throw std::runtime_error(std::string("LINEAR_LAB_CPU_CACHES='") + forced + "' is not l1d=<size>,l2=<size> "
+                               "(e.g. l1d=32K,l2=1M; at least 4K and 64K)");
+    return sizes;
+  }
+  CacheSizes sizes;
+  if (read_sysfs_caches(sizes)) return sizes;
+  const int64_t l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  if (l1d > 0 && l2 > 0) return {l1d, l2, "sysconf"};
+  return {32 * 1024, 512 * 1024, "unknown: assumed 32 KiB and 512 KiB, the smallest the project has met"};
+}
+
+const CacheSizes& caches() {
+  static const CacheSizes sizes = detect_caches();
+  return sizes;
+}
 
 // KC: depth of one block, 2 KiB of K per row or column (512 floats, 256 doubles).
 // Deeper blocks mean fewer passes that reload and re-store C; measured here on
@@ -50,7 +127,7 @@ constexpr int64_t kL2Bytes = 2 * 1024 * 1024;
 // alone runs at the same speed from L1 as from L2 (8x32: 196-199).
 template <typename T>
 constexpr int64_t kKC = 2048 / sizeof(T);
-static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
+static_assert(8 * kKC<float> * sizeof(float) <= 32 * 1024 / 2);  // an 8-row A micro-panel: half of a 32 KiB L1d
 // Up to this depth all of K is one block, though deeper than KC: K = 784 (an
 // MNIST image) in blocks of 512 + 272 stores and reloads every C tile for a
 // short second block. Measured here (forward, ms, interleaved with torch, two
@@ -61,39 +138,36 @@ static_assert(8 * kKC<float> * sizeof(float) <= kL1dBytes / 2);
 template <typename T>
 constexpr int64_t kMaxSingleKBlock = 3200 / sizeof(T);
 
-// MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path, each a
-// multiple of every MR of its path's tiles (checked when a path's tiles are built:
-// pack_a fills whole MR-row panels, so any other MC would overrun the MC-row buffer).
-// AVX-512 (this Xeon, 2 MiB L2): 240 rows = 480 KiB, a quarter of L2, leaving
-// room for the B micro-panels streaming through.
-constexpr int64_t kMCAvx512 = 240;
-static_assert(kMCAvx512 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kL2Bytes / 4);
-// AVX2 (the path Zen3 takes, 512 KiB L2): 120 rows = 240 KiB, under half of that
-// L2, so the A block and the B micro-panels (KC x 16 floats = 32 KiB) share it.
-constexpr int64_t kZen3L2Bytes = 512 * 1024;
-constexpr int64_t kMCAvx2 = 120;
-static_assert(kMCAvx2 * kKC<float> * static_cast<int64_t>(sizeof(float)) <= kZen3L2Bytes / 2);
-// Portable (unknown caches): the AVX2 size, the smaller, safer one.
-constexpr int64_t kMCPortable = kMCAvx2;
+// MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path: the share of L2 below,
+// rounded down to a multiple of every MR of its path's tiles (checked when a path's tiles are
+// built: pack_a fills whole MR-row panels, so any other MC would overrun the MC-row buffer).
+// AVX-512: a quarter of L2 (on the Xeon, 240 rows = 480 KiB), leaving room for the B micro-panels
+// streaming through. AVX2 and portable: half of L2 (Zen3, 512 KiB: 120 rows = 240 KiB, measured
+// there), so the A block and the B micro-panels (KC x 16 floats = 32 KiB) share it.
+int64_t a_block_budget_bytes(CpuPath path) {
+  return path == CpuPath::Avx512 ? caches().l2_bytes / 4 : caches().l2_bytes / 2;
+}
 
-int64_t block_rows(CpuPath path) {
+int64_t row_multiple(CpuPath path) {  // the least common multiple of the path's MRs (float and double)
   switch (path) {
-    case CpuPath::Avx512: return kMCAvx512;
-    case CpuPath::Avx2Fma: return kMCAvx2;
+    case CpuPath::Avx512: return 24;  // 8 and 6
+    case CpuPath::Avx2Fma: return 6;
     case CpuPath::Portable: break;
   }
-  return kMCPortable;
+  return 4;
 }
 
-// The bytes an A block may take when all of a slab's rows fit in one: the
-// budget MC was sized for (a quarter of this Xeon's L2, half of Zen3's). One
-// block means B is packed per micro-panel (gemm_slab) and read once, where
-// 256 rows of KC in MC-row blocks (240 + 16) re-read all of B for 16 rows.
-// Measured (1 thread): dW 512x784->256 (256 rows, K = 512) 158-160 -> 174
-// GFLOP/s (torch 176-178), dW 512x256->256 161-162 -> 167-168 (torch 171-173).
-int64_t single_block_bytes(CpuPath path) {
-  return path == CpuPath::Avx512 ? kL2Bytes / 4 : kZen3L2Bytes / 2;
+int64_t block_rows(CpuPath path) {
+  const int64_t rows = a_block_budget_bytes(path) / (kKC<float> * static_cast<int64_t>(sizeof(float)));
+  return std::max(row_multiple(path), rows / row_multiple(path) * row_multiple(path));
 }
+
+// The bytes an A block may take when all of a slab's rows fit in one: the budget MC was sized
+// for. One block means B is packed per micro-panel (gemm_slab) and read once, where 256 rows of
+// KC in MC-row blocks (240 + 16) re-read all of B for 16 rows. Measured (1 thread): dW
+// 512x784->256 (256 rows, K = 512) 158-160 -> 174 GFLOP/s (torch 176-178), dW 512x256->256
+// 161-162 -> 167-168 (torch 171-173).
+int64_t single_block_bytes(CpuPath path) { return a_block_budget_bytes(path); }
 
 // NC: columns of one packed B block (KC x NC = 6 MiB per thread), in L3; a
 // multiple of every NR (48 and 64 among them). Wider than every layer here, so
@@ -121,7 +195,7 @@ constexpr int64_t kMaxRowsForBInPlace = 128;
 
 // Both operands read in place and B's block within half of L1d (dX of a 10-class head):
 // row tiles run outermost (see rows_outer in gemm_slab).
-constexpr int64_t kRowsOuterMaxBBytes = kL1dBytes / 2;
+int64_t rows_outer_max_b_bytes() { return caches().l1d_bytes / 2; }
 
 // A row-major A is read in place, never packed: gemm_slab reads it so, and gemm splits
 // threads by columns for it (each slab then packs only its own part of B).
@@ -163,7 +237,7 @@ const Microkernels<T>& microkernels(CpuPath path) {
 template <typename T>
 bool c_rows_are_pages_apart(int64_t rows, int64_t ldc) {
   const int64_t row_bytes = ldc * static_cast<int64_t>(sizeof(T));
-  return row_bytes >= 4096 && rows * row_bytes > kL2Bytes;
+  return row_bytes >= 4096 && rows * row_bytes > caches().l2_bytes;
 }
 
 // The active path's tile for an M x N product of C.
@@ -271,7 +345,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // whole 4 KiB page, which maps every row to the same few cache sets (dX of
   // 128x2048->1000 read W in place ran 2x slower).
   const int64_t b_block_bytes = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T));
-  const bool b_block_stays_in_l2 = b_block_bytes <= kL2Bytes / 2 &&
+  const bool b_block_stays_in_l2 = b_block_bytes <= caches().l2_bytes / 2 &&
                                    b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
   const bool read_b_in_place = !prepacked_b && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
   // C's rows a page or more apart, in a C larger than L2 (dW of a 2048-input head,
@@ -285,7 +359,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // 0.955, forward 1024x128->1024 0.941. With B's block up to all of L2 instead of
   // half, dW 256x2048->1000 ran 1.39x slower.
   const bool write_c_by_rows = !read_b_in_place && c_rows_are_pages_apart<T>(m1 - m0, ldc) &&
-                               b_block_bytes <= kL2Bytes / 2;
+                               b_block_bytes <= caches().l2_bytes / 2;
   // With a single A block, each B micro-panel is packed into one reused
   // KC x NR buffer right before its row tiles read it, while it is in L1/L2,
   // rather than with the whole KC x NC block first (4 MiB for N = 2048, out of
@@ -301,7 +375,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // 13.7 -> 13.0-13.3 us (torch 5.5 and 9.7-10.3); prefetching the next
   // column panel's C in this order was slower (8.1 us).
   const bool rows_outer = write_c_by_rows ||
-                          (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= kRowsOuterMaxBBytes);
+                          (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= rows_outer_max_b_bytes());
   T* packed_b = prepacked_b ? const_cast<T*>(prepacked_b)
                             : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
@@ -612,7 +686,8 @@ BlockSizes block_sizes(CpuPath path) {
   return {k.wide.mr,     k.wide.nr,          k.narrow.mr,     k.narrow.nr,
           k.many_rows.mr, k.many_rows.nr,    k.wide.lanes,    kKC<T>,
           kMaxSingleKBlock<T>, block_rows(path), kNC,          single_block_bytes(path),
-          kManyRowsMinRows, kMaxRowsForBInPlace, kRowsOuterMaxBBytes, kL2Bytes};
+          kManyRowsMinRows, kMaxRowsForBInPlace, rows_outer_max_b_bytes(), caches().l2_bytes,
+          caches().l1d_bytes};
 }
 template BlockSizes block_sizes<float>(CpuPath);
 template BlockSizes block_sizes<double>(CpuPath);

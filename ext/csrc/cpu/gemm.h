@@ -122,7 +122,8 @@ struct BlockSizes {
   int64_t many_rows_min_rows;
   int64_t b_in_place_max_rows;         // up to this many rows of C a row-major B is read unpacked
   int64_t rows_outer_max_b_bytes;      // both operands in place and B's block this small: row tiles outermost
-  int64_t l2_bytes;                    // C larger than this with rows a page apart is written by rows
+  int64_t l2_bytes;                    // L2 per core as detected (gemm.cpp: caches); MC and the rest follow
+  int64_t l1d_bytes;                   // L1d per core as detected
 };
 template <typename T>
 BlockSizes block_sizes(CpuPath path);
