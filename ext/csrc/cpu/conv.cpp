@@ -3,14 +3,13 @@
 #include "conv.h"
 
 #include "gemm.h"
+#include "pack_buffer.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <vector>
 
 namespace ext::cpu {
@@ -20,7 +19,8 @@ namespace {
 // Most pixels in one chunk: more only grows the buffers (a 3-channel stem's patch of 27
 // values would otherwise ask for 9000-pixel chunks), not the GEMM's speed.
 constexpr int64_t kMaxChunkPixels = 1024;
-constexpr int64_t kChunkPixelMultiple = 16;
+// dW's threads split its columns in pieces of at least this many (a vector of floats).
+constexpr int64_t kWeightColumnsGrain = 16;
 
 // A run of output pixels q0 .. q0 + count - 1, numbered q = n·OH·OW + oh·OW + ow.
 struct Chunk {
@@ -58,30 +58,7 @@ ChunkPlan plan_chunks(const ConvGeometry& g, int64_t threads = 1) {
   return plan;
 }
 
-// A thread's own buffer (col or dcol), 64-byte aligned, grown on demand and kept across
-// calls, so a warm training step allocates nothing here.
-class Workspace {
- public:
-  ~Workspace() { std::free(data_); }
-  template <typename T>
-  T* get(int64_t count) {
-    const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
-    if (bytes > capacity_) {
-      std::free(data_);
-      capacity_ = 0;
-      data_ = std::aligned_alloc(64, bytes);
-      if (!data_) throw std::bad_alloc();
-      capacity_ = bytes;
-    }
-    return static_cast<T*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
-
-thread_local Workspace t_columns, t_outputs;
+thread_local PackBuffer t_columns, t_outputs;  // im2col (or dcol) and output buffers, per thread
 
 // Row strides of whole 4 KiB pages put every row of a GEMM tile in the same few L1 sets (the
 // rows of a 32x32 image's channels are 4 KiB apart). Buffers the kernels lay out themselves
@@ -264,14 +241,6 @@ int64_t chunk_pixels(int64_t patch) {
 }
 
 template <typename T>
-int64_t conv2d_workspace_bytes(const ConvGeometry& g, int64_t threads) {
-  const ChunkPlan plan = plan_chunks<T>(g);
-  const int64_t block = g.pointwise() && plan.per_image ? 0 : patch_block_rows<T>(g.patch()) * chunk_pixels<T>(g.patch());
-  const int64_t staged = plan.per_image ? 0 : g.out_channels * g.batch * g.out_pixels_per_image();
-  return static_cast<int64_t>(sizeof(T)) * (threads * block + staged + g.patch() * g.out_channels);
-}
-
-template <typename T>
 void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, const T* bias, T* output) {
   const ChunkPlan plan = plan_chunks<T>(g, at::in_parallel_region() ? 1 : at::get_num_threads());
   const int64_t K = g.out_channels, patch = g.patch(), hw = g.out_pixels_per_image();
@@ -333,7 +302,7 @@ void conv2d_backward_weight(const ConvGeometry& g, const T* grad_output, const T
   if (staged) restage<T>(g.batch, K, hw, grad_output, staged.get(), /*to_staged=*/true);
   // Threads own columns of dW (rows of im2col), a block of them at a time: each gathers only
   // those rows of every chunk, and sums its columns over the chunks in order.
-  at::parallel_for(0, patch, kChunkPixelMultiple, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, patch, kWeightColumnsGrain, [&](int64_t begin, int64_t end) {
     for (int64_t kk0 = begin; kk0 < end; kk0 += block) {
       const int64_t kk1 = std::min(end, kk0 + block);
       bool first_chunk = true;
@@ -423,7 +392,6 @@ void conv2d_backward_bias(const ConvGeometry& g, const T* grad_output, T* grad_b
 
 #define EXT_INSTANTIATE_CONV(T)                                                                         \
   template int64_t chunk_pixels<T>(int64_t);                                                            \
-  template int64_t conv2d_workspace_bytes<T>(const ConvGeometry&, int64_t);                             \
   template void conv2d_forward<T>(const ConvGeometry&, const T*, const T*, const T*, T*);               \
   template void conv2d_backward_input<T>(const ConvGeometry&, const T*, const T*, T*);                  \
   template void conv2d_backward_weight<T>(const ConvGeometry&, const T*, const T*, T*);                 \

@@ -43,12 +43,6 @@ struct ConvGeometry {
 template <typename T>
 int64_t chunk_pixels(int64_t patch);
 
-// Extra memory one call uses, in bytes, on `threads` threads (what `python -m ext` and the
-// docs report): a column buffer per thread, plus staging of the output or dY when images
-// are smaller than a chunk.
-template <typename T>
-int64_t conv2d_workspace_bytes(const ConvGeometry& g, int64_t threads);
-
 // output (N x K x OH x OW) = conv(input, weight) + bias (bias: K values or nullptr).
 template <typename T>
 void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, const T* bias, T* output);

@@ -14,6 +14,7 @@
 #include "gemm.h"
 
 #include "microkernel.h"
+#include "pack_buffer.h"
 
 #include <ATen/Parallel.h>
 
@@ -247,33 +248,7 @@ const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
   return N <= kernels.narrow.nr ? kernels.narrow : M >= kManyRowsMinRows ? kernels.many_rows : kernels.wide;
 }
 
-// Per-thread packing buffer, 64-byte aligned, grown on demand and reused across
-// calls, so packing never allocates once warm.
-class PackBuffer {
- public:
-  PackBuffer() = default;
-  PackBuffer(const PackBuffer&) = delete;
-  PackBuffer& operator=(const PackBuffer&) = delete;
-  ~PackBuffer() { std::free(data_); }
-  template <typename T>
-  T* get(int64_t count) {
-    const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
-    if (bytes > capacity_) {
-      std::free(data_);
-      capacity_ = 0;  // until the allocation below succeeds
-      data_ = std::aligned_alloc(64, bytes);
-      if (!data_) throw std::bad_alloc();
-      capacity_ = bytes;
-    }
-    return static_cast<T*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
-
-thread_local PackBuffer t_packed_a, t_packed_b;
+thread_local PackBuffer t_packed_a, t_packed_b;  // packing never allocates once warm
 
 // Buffers for the packed A that all chunks of a ColumnChunks share, kept per constructing
 // thread and reused across calls, like t_packed_a. Allocated afresh for each product (up to
