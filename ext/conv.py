@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ext.ops import linear
+
 _CONV2D = torch.ops.ext.conv2d.default
 
 
@@ -106,5 +108,26 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     stride, dilation = _pair("stride", stride), _pair("dilation", dilation)
     padding = _paddings(padding, tuple(weight.shape[2:]), stride, dilation)
     unbatched = input.dim() == 3
-    output = _CONV2D(input.unsqueeze(0) if unbatched else input, weight, bias, stride, padding, dilation)
+    batched = input.unsqueeze(0) if unbatched else input
+    if _is_pointwise_channels_last(batched, weight, stride, padding):
+        output = _pointwise_channels_last(batched, weight, bias)
+    else:
+        output = _CONV2D(batched, weight, bias, stride, padding, dilation)
     return output.squeeze(0) if unbatched else output
+
+
+def _is_pointwise_channels_last(input, weight, stride, padding):
+    """A 1x1 stride-1 unpadded kernel on a channels_last input: the convolution is ext.linear on its rows."""
+    return (tuple(weight.shape[2:]) == (1, 1) and stride == (1, 1) and padding == (0, 0, 0, 0)
+            and input.dim() == 4 and input.shape[1] == weight.shape[1] and input.numel() > 0
+            and input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous())
+
+
+def _pointwise_channels_last(input, weight, bias):
+    """In channels_last, the pixels' channels are the rows of an (N·H·W) x C matrix: Y = X·Wᵀ + b is
+    ext.linear on it, with no copy in or out, and the output is channels_last as F.conv2d's is. (The
+    op itself would copy the input to NCHW and the output back.)"""
+    n, c, h, w = input.shape
+    rows = input.permute(0, 2, 3, 1).reshape(n * h * w, c)  # a view: NHWC is row-major in these rows
+    output = linear(rows, weight.reshape(weight.shape[0], c), bias)
+    return output.view(n, h, w, weight.shape[0]).permute(0, 3, 1, 2)

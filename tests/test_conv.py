@@ -385,3 +385,29 @@ def test_a_resnet_trains_the_same_with_either_convolution():
     assert losses["ext"] == pytest.approx(losses["torch"], rel=1e-9)
     for (key, a), b in zip(reference.state_dict().items(), ours.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-10, msg=key)
+
+
+def test_a_pointwise_convolution_in_channels_last_is_our_linear_op():
+    """1x1, stride 1, no padding, channels_last input: ext.linear on the (N·H·W) x C rows, no copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 16, 7, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    w, b = torch.randn(24, 16, 1, 1, dtype=torch.float64), torch.randn(24, dtype=torch.float64)
+    y = assert_matches_torch(x, w, b)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    with Ops() as ops:
+        ext.conv2d(x, w, b)
+    assert "ext.linear" in ops.called and "ext.conv2d" not in ops.called and "aten.clone" not in ops.called
+    with Ops() as ops:  # NCHW, or any other kernel, goes through the convolution
+        ext.conv2d(x.contiguous(), w, b)
+        ext.conv2d(x, w, b, stride=2)
+    assert ops.called.count("ext.conv2d") == 2 and "ext.linear" not in ops.called
