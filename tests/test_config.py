@@ -211,6 +211,15 @@ def test_with_both_custom_a_resnet_runs_almost_all_its_flops_on_our_kernels():
     assert build.flop_shares(mlp, build.read_dataset(mlp.data)) == {"linear": 1.0, "conv": 0.0}
 
 
+def test_the_run_line_names_the_conv_choice_and_share_where_there_are_convolutions():
+    from trainer import logs
+    resnet = config.load_config(["model=resnet18", "conv=custom", "data=fake"])
+    line = logs.describe(resnet, torch.device("cpu"), 11_000_000, 9.2e-6, 0.99999)
+    assert line.startswith("resnet18 linear=custom conv=custom on fake") and "convolutions: 100%" in line
+    mlp = config.load_config([])
+    assert logs.describe(mlp, torch.device("cpu"), 1000, 1.0, 0.0).startswith("mlp linear=custom on digits")
+
+
 def test_conv_custom_on_a_gpu_is_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(config.ConfigError, match="conv=custom runs on the CPU only"):

@@ -34,8 +34,10 @@ def describe(cfg, device, num_params, flop_share=None, conv_share=None):
     coverage = f" | linear layers: {summary.share_text(flop_share)} of its FLOPs" if flop_share is not None else ""
     if conv_share:
         coverage += f", convolutions: {summary.share_text(conv_share)}"
+    # The conv choice where it matters: a network with convolutions, or conv=custom asked for.
+    conv = f" conv={cfg.conv.name}" if conv_share or cfg.conv.name != "torch" else ""
     return (
-        f"{cfg.model.name} linear={cfg.linear.name} conv={cfg.conv.name} on {cfg.data.name} | "
+        f"{cfg.model.name} linear={cfg.linear.name}{conv} on {cfg.data.name} | "
         f"{class_name(cfg.optim)} lr={cfg.optim.lr} {class_name(cfg.sched)} | "
         f"batch {cfg.data.batch_size} x {counted(cfg.trainer.epochs, 'epoch')} | seed {cfg.seed} | "
         f"{device}, {counted(torch.get_num_threads(), 'thread')}{processes_text()} | "

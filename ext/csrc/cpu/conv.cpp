@@ -30,31 +30,41 @@ struct Chunk {
 // How a call walks the output pixels. When an image holds at least half a chunk, chunks stay
 // within one image, so an image's output and dY (K x OH·OW, row stride OH·OW) are GEMM
 // operands as they lie. Smaller images (the 4x4 and 8x8 maps of a CIFAR ResNet's last
-// stages) share chunks, and their output or dY is staged as one K x (N·OH·OW) matrix.
+// stages) share chunks: the forward computes each into a buffer and copies it out, the
+// backward stages dY as one K x (N·OH·OW) matrix.
 struct ChunkPlan {
   bool per_image;
   std::vector<Chunk> chunks;
+  // The forward's threads take parts: chunks part_starts[i] .. part_starts[i + 1] - 1.
+  std::vector<size_t> part_starts;
 };
 
+// With `threads`, shared chunks are cut from `threads` equal parts of the pixels, each in whole
+// column panels of the GEMM's tile but its last chunk, so that the forward's threads get the same
+// work (8192 pixels of 8x8 images in 480s would give one thread 9 chunks, the other 8 and 32
+// pixels). The forward's sums do not cross chunks, so this changes no result; dX and dW, whose sums
+// do, keep the plan of one thread.
 template <typename T>
 ChunkPlan plan_chunks(const ConvGeometry& g, int64_t threads = 1) {
-  const int64_t hw = g.out_pixels_per_image(), total = g.batch * hw;
-  int64_t chunk = chunk_pixels<T>(g.patch());
-  ChunkPlan plan{2 * hw >= chunk, {}};
+  const int64_t hw = g.out_pixels_per_image(), total = g.batch * hw, chunk = chunk_pixels<T>(g.patch());
+  ChunkPlan plan{2 * hw >= chunk, {}, {}};
   if (plan.per_image) {
     for (int64_t n = 0; n < g.batch; ++n)
-      for (int64_t p0 = 0; p0 < hw; p0 += chunk) plan.chunks.push_back({n * hw + p0, std::min(chunk, hw - p0)});
-    return plan;
+      for (int64_t p0 = 0; p0 < hw; p0 += chunk) {
+        plan.part_starts.push_back(plan.chunks.size());
+        plan.chunks.push_back({n * hw + p0, std::min(chunk, hw - p0)});
+      }
+  } else {
+    const int64_t panel = block_sizes<T>(active_cpu_path()).wide_nr;
+    const int64_t parts = std::max<int64_t>(1, std::min(threads, total / panel));
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t begin = total * part / parts / panel * panel;
+      const int64_t end = part + 1 == parts ? total : total * (part + 1) / parts / panel * panel;
+      plan.part_starts.push_back(plan.chunks.size());
+      for (int64_t q = begin; q < end; q += chunk) plan.chunks.push_back({q, std::min(chunk, end - q)});
+    }
   }
-  // The forward's threads take whole chunks: few chunks are evened out over them (2048 pixels of
-  // 4x4 images in 480s would give one thread 3 chunks and the other 2). Its sums do not cross
-  // chunks, so this changes no result; dX and dW keep the plan of one thread.
-  const int64_t chunks = (total + chunk - 1) / chunk;
-  if (threads > 1 && chunks < 8 * threads) {
-    const int64_t balanced = (chunks + threads - 1) / threads * threads;
-    chunk = (total + balanced - 1) / balanced;
-  }
-  for (int64_t q = 0; q < total; q += chunk) plan.chunks.push_back({q, std::min(chunk, total - q)});
+  plan.part_starts.push_back(plan.chunks.size());
   return plan;
 }
 
@@ -120,19 +130,40 @@ inline PatchElement patch_element(const ConvGeometry& g, int64_t kk) {
   return {c, r * g.dilation_h - g.pad_top, column_offset, ow_lo, ow_hi};
 }
 
-// dst[0 .. n) = src[0 .. n) for the short runs of im2col (an 8x8 image's rows are 8 values): whole
-// vectors of fixed size, which compile to single vector moves, where a memcpy call or a loop of
-// unknown length spent more on its setup than on the copy (the gather took 30% of the forward's
-// time beside the GEMM's 60% at 256 channels of 8x8).
-template <typename T>
-inline void copy_run(const T* src, T* dst, int64_t n) {
+// The short runs of im2col and col2im (an 8x8 image's rows are 8 values) in whole vectors of
+// fixed size, which compile to single vector instructions, where a memcpy or memset call or a loop
+// of unknown length spent more on its setup than on the work (the gather took 30% of the forward's
+// time beside the GEMM's 60% at 256 channels of 8x8). op(dst, src) is applied to n elements.
+template <typename T, typename Op>
+inline void for_run(T* __restrict dst, const T* __restrict src, int64_t n, Op op) {
   constexpr int64_t kVector = 64 / sizeof(T);
-  for (; n >= kVector; n -= kVector, src += kVector, dst += kVector) std::memcpy(dst, src, 64);
+  for (; n >= kVector; n -= kVector, src += kVector, dst += kVector)
+    for (int64_t i = 0; i < kVector; ++i) op(dst[i], src[i]);
   if (n >= kVector / 2) {
-    std::memcpy(dst, src, 32);
+    for (int64_t i = 0; i < kVector / 2; ++i) op(dst[i], src[i]);
     n -= kVector / 2, src += kVector / 2, dst += kVector / 2;
   }
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+  for (int64_t i = 0; i < n; ++i) op(dst[i], src[i]);
+}
+
+template <typename T>
+inline void copy_run(const T* src, T* dst, int64_t n) {
+  for_run(dst, src, n, [](T& d, T s) { d = s; });
+}
+
+template <typename T>
+inline void add_run(const T* src, T* dst, int64_t n) {
+  for_run(dst, src, n, [](T& d, T s) { d += s; });
+}
+
+template <typename T>
+inline void zero_run(T* dst, int64_t n) {
+  static constexpr T kZeros[64 / sizeof(T)] = {};
+  while (n > 0) {  // runs of padding are a few values: one or two steps
+    const int64_t step = std::min<int64_t>(n, 64 / sizeof(T));
+    for_run(dst, kZeros, step, [](T& d, T s) { d = s; });
+    dst += step, n -= step;
+  }
 }
 
 // Rows kk0 .. kk1 - 1 of the chunk's im2col: the input under patch element kk at the chunk's
@@ -151,18 +182,18 @@ void gather_columns(const ConvGeometry& g, const T* input, const std::vector<Row
       T* out = row + at - run.ow0;  // out[ow] for ow in [ow0, ow1)
       const int64_t ih = run.oh * g.stride_h + e.row_offset;
       if (ih < 0 || ih >= g.height) {
-        std::fill(out + run.ow0, out + run.ow1, T(0));
+        zero_run(out + run.ow0, run.ow1 - run.ow0);
         continue;
       }
       const int64_t lo = std::clamp(e.ow_lo, run.ow0, run.ow1), hi = std::clamp(e.ow_hi, lo, run.ow1);
-      for (int64_t ow = run.ow0; ow < lo; ++ow) out[ow] = T(0);
+      zero_run(out + run.ow0, lo - run.ow0);
       const T* in = input + ((run.n * g.in_channels + e.c) * g.height + ih) * g.width + e.column_offset;
       if (g.stride_w == 1) {
         copy_run(in + lo, out + lo, hi - lo);
       } else {
         for (int64_t ow = lo; ow < hi; ++ow) out[ow] = in[ow * g.stride_w];
       }
-      for (int64_t ow = hi; ow < run.ow1; ++ow) out[ow] = T(0);
+      zero_run(out + hi, run.ow1 - hi);
     }
   }
 }
@@ -182,7 +213,7 @@ void scatter_columns(const ConvGeometry& g, const T* dcol, int64_t lddcol, const
       const T* in = row + run.j - run.ow0;
       T* out = grad_input + ((run.n * g.in_channels + e.c) * g.height + ih) * g.width + e.column_offset;
       if (g.stride_w == 1) {
-        for (int64_t ow = lo; ow < hi; ++ow) out[ow] += in[ow];
+        add_run(in + lo, out + lo, hi - lo);
       } else {
         for (int64_t ow = lo; ow < hi; ++ow) out[ow * g.stride_w] += in[ow];
       }
@@ -208,17 +239,16 @@ Operand<T> chunk_slice(const ConvGeometry& g, const ChunkPlan& plan, Chunk chunk
   return {per_image + n * rows * hw + p, hw};
 }
 
-// dst (rows x N·HW) <- src (N x rows x HW), or back with to_staged false.
+// dY (N x K x HW) staged as one K x N·HW matrix, for chunks that span images.
 template <typename T>
-void restage(int64_t batch, int64_t rows, int64_t hw, const T* src, T* dst, bool to_staged) {
-  at::parallel_for(0, batch * rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i / rows, k = i % rows;
-      const T* from = to_staged ? src + i * hw : src + (k * batch + n) * hw;
-      T* to = to_staged ? dst + (k * batch + n) * hw : dst + i * hw;
-      std::copy_n(from, hw, to);
-    }
+std::unique_ptr<T[]> staged_grad_output(const ConvGeometry& g, const T* grad_output) {
+  const int64_t K = g.out_channels, hw = g.out_pixels_per_image();
+  auto staged = uninitialized<T>(K * g.batch * hw);
+  at::parallel_for(0, g.batch * K, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      std::copy_n(grad_output + i * hw, hw, staged.get() + (i % K * g.batch + i / K) * hw);
   });
+  return staged;
 }
 
 }  // namespace
@@ -245,15 +275,14 @@ void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, cons
   const ChunkPlan plan = plan_chunks<T>(g, at::in_parallel_region() ? 1 : at::get_num_threads());
   const int64_t K = g.out_channels, patch = g.patch(), hw = g.out_pixels_per_image();
   const int64_t block = patch_block_rows<T>(patch);
-  const auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
-  const int64_t chunks = static_cast<int64_t>(plan.chunks.size());
-  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
+  const int64_t parts = static_cast<int64_t>(plan.part_starts.size()) - 1;
+  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    for (size_t i = plan.part_starts[first_part]; i < plan.part_starts[last_part]; ++i) {
       const Chunk chunk = plan.chunks[i];
-      const Operand<T> out = chunk_slice<T>(g, plan, chunk, output, K, staged.get());
-      // Output rows a page apart (a 32x32 image's channels) are computed into a buffer whose rows
-      // are not, then copied: see padded_stride.
-      const bool buffered = page_multiple<T>(out.row_stride);
+      // Shared chunks, and output rows a page apart (a 32x32 image's channels), are computed into a
+      // buffer whose rows are not (padded_stride), then copied out while it is in L2.
+      const Operand<T> out = plan.per_image ? chunk_slice<T>(g, plan, chunk, output, K, nullptr) : Operand<T>{};
+      const bool buffered = !plan.per_image || page_multiple<T>(out.row_stride);
       const Operand<T> y = buffered ? Operand<T>{t_outputs.get<T>(K * padded_stride<T>(chunk.count)),
                                                  padded_stride<T>(chunk.count)}
                                     : out;
@@ -282,11 +311,16 @@ void conv2d_forward(const ConvGeometry& g, const T* input, const T* weight, cons
                            /*accumulate=*/kk > 0 || bias != nullptr);
         }
       }
-      if (buffered)
-        for (int64_t k = 0; k < K; ++k) std::copy_n(y.data + k * y.row_stride, chunk.count, out.data + k * out.row_stride);
+      if (!buffered) continue;
+      // Out, image by image: the chunk's pixels j0 .. of image n are its pixels p0 .. p1 - 1.
+      for (int64_t q = chunk.q0, end = chunk.q0 + chunk.count; q < end;) {
+        const int64_t n = q / hw, p0 = q % hw, p1 = std::min(hw, p0 + (end - q)), j0 = q - chunk.q0;
+        for (int64_t k = 0; k < K; ++k)
+          std::copy_n(y.data + k * y.row_stride + j0, p1 - p0, output + (n * K + k) * hw + p0);
+        q += p1 - p0;
+      }
     }
   });
-  if (staged) restage<T>(g.batch, K, hw, staged.get(), output, /*to_staged=*/false);
 }
 
 template <typename T>
@@ -298,8 +332,7 @@ void conv2d_backward_weight(const ConvGeometry& g, const T* grad_output, const T
     std::fill_n(grad_weight, K * patch, T(0));
     return;
   }
-  auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
-  if (staged) restage<T>(g.batch, K, hw, grad_output, staged.get(), /*to_staged=*/true);
+  const auto staged = plan.per_image ? nullptr : staged_grad_output(g, grad_output);
   // Threads own columns of dW (rows of im2col), a block of them at a time: each gathers only
   // those rows of every chunk, and sums its columns over the chunks in order.
   at::parallel_for(0, patch, kWeightColumnsGrain, [&](int64_t begin, int64_t end) {
@@ -334,8 +367,7 @@ void conv2d_backward_input(const ConvGeometry& g, const T* grad_output, const T*
   const int64_t hw = g.out_pixels_per_image(), in_hw = g.in_pixels_per_image();
   // dcol is computed a block of whole channels at a time and scattered while it is in L2.
   const int64_t block_channels = std::max<int64_t>(1, patch_block_rows<T>(patch) / rs);
-  auto staged = plan.per_image ? nullptr : uninitialized<T>(K * g.batch * hw);
-  if (staged) restage<T>(g.batch, K, hw, grad_output, staged.get(), /*to_staged=*/true);
+  const auto staged = plan.per_image ? nullptr : staged_grad_output(g, grad_output);
   // A = Wᵀ (patch x K), transposed once so that it is read in place like W in the forward.
   const auto weight_t = uninitialized<T>(patch * K);
   at::parallel_for(0, patch, 64, [&](int64_t begin, int64_t end) {
