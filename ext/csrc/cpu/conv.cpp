@@ -60,8 +60,12 @@ ChunkPlan plan_chunks(const ConvGeometry& g, int64_t threads = 1) {
     for (int64_t part = 0; part < parts; ++part) {
       const int64_t begin = total * part / parts / panel * panel;
       const int64_t end = part + 1 == parts ? total : total * (part + 1) / parts / panel * panel;
+      // Chunks of about equal size in whole panels, rather than full ones and a short last one
+      // (1024 pixels as 384 + 384 + 256, not 480 + 480 + 64).
+      const int64_t count = (end - begin + chunk - 1) / chunk;
+      const int64_t size = ((end - begin + count - 1) / count + panel - 1) / panel * panel;
       plan.part_starts.push_back(plan.chunks.size());
-      for (int64_t q = begin; q < end; q += chunk) plan.chunks.push_back({q, std::min(chunk, end - q)});
+      for (int64_t q = begin; q < end; q += size) plan.chunks.push_back({q, std::min(size, end - q)});
     }
   }
   plan.part_starts.push_back(plan.chunks.size());
