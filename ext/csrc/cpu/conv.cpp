@@ -62,9 +62,10 @@ ChunkPlan plan_chunks(const ConvGeometry& g, int64_t threads = 1) {
       const int64_t end = part + 1 == parts ? total : total * (part + 1) / parts / panel * panel;
       // Chunks of about equal size in whole panels, rather than full ones and a short last one
       // (1024 pixels as 384 + 384 + 256, not 480 + 480 + 64).
+      plan.part_starts.push_back(plan.chunks.size());
+      if (end == begin) continue;  // no pixels (a batch of 0)
       const int64_t count = (end - begin + chunk - 1) / chunk;
       const int64_t size = ((end - begin + count - 1) / count + panel - 1) / panel * panel;
-      plan.part_starts.push_back(plan.chunks.size());
       for (int64_t q = begin; q < end; q += size) plan.chunks.push_back({q, std::min(size, end - q)});
     }
   }
