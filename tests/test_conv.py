@@ -411,3 +411,11 @@ def test_a_pointwise_convolution_in_channels_last_is_our_linear_op():
         ext.conv2d(x.contiguous(), w, b)
         ext.conv2d(x, w, b, stride=2)
     assert ops.called.count("ext.conv2d") == 2 and "ext.linear" not in ops.called
+
+
+def test_torch_export_records_our_op():
+    model = nn.Sequential(ext.Conv2d(3, 8, 3, padding=1, stride=2), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 9, 9)
+    exported = torch.export.export(model, (x,))
+    assert "ext.conv2d" in str(exported.graph)
+    torch.testing.assert_close(exported.module()(x), model(x))
