@@ -419,3 +419,20 @@ def test_torch_export_records_our_op():
     exported = torch.export.export(model, (x,))
     assert "ext.conv2d" in str(exported.graph)
     torch.testing.assert_close(exported.module()(x), model(x))
+
+
+def test_a_linear_by_conv_sweep_runs_and_compares_each_choice(tmp_path):
+    """The README's sweep, small: four ResNet-18 jobs, their summary with both comparisons and the shares."""
+    from test_resume import train_command
+    sweep_dir = tmp_path / "sweep"
+    result = train_command(["-m", "model=resnet18", "data=fake", "data.train_size=32", "data.val_size=16",
+                            "data.batch_size=16", "data.image_size=[3,8,8]", "trainer.epochs=1",
+                            "linear=torch,custom", "conv=torch,custom", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = sorted(path.name for path in sweep_dir.iterdir() if (path / "summary.json").is_file())
+    assert len(jobs) == 4 and sum("conv=custom" in job for job in jobs) == 2
+    markdown = (sweep_dir / "summary.md").read_text()
+    linear_part, conv_part = markdown.split("## conv=custom vs conv=torch")
+    assert "## linear=custom vs linear=torch" in linear_part and "not a kernel comparison" in linear_part
+    assert conv_part.count(" linear=torch` |") == 1 and conv_part.count(" linear=custom` |") == 1
+    assert conv_part.count("100% of the FLOPs") == 2
