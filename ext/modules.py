@@ -189,10 +189,10 @@ class Conv2d(nn.Conv2d):
 def replace_convs(model: nn.Module) -> list[str]:
     """Makes every plain nn.Conv2d in model that ext.conv2d can run an ext.Conv2d, in place.
 
-    As replace_linears, only each module's class changes (parameters, hooks and sharing stay).
-    Left as torch, and returned by name with the reason, so a caller can say so: grouped
-    (and depthwise) convolutions, subclasses of nn.Conv2d, and CUDA modules (the convolution
-    has CPU kernels only so far).
+    As replace_linears, only each module's class changes (parameters, hooks and sharing stay), and
+    subclasses of nn.Conv2d are left alone (they may compute something else). Plain ones it cannot
+    run stay torch's and are returned by name with the reason, so a caller can say so: grouped (and
+    depthwise) convolutions, and CUDA modules (the convolution has CPU kernels only so far).
 
     Example:
         >>> left = ext.replace_convs(torchvision.models.mobilenet_v2())   # depthwise ones stay
