@@ -145,7 +145,7 @@ def override_key(override):
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def linear_pairs(rows, group="linear"):
+def choice_pairs(rows, group="linear"):
     """(torch row, custom row) for every two finished jobs whose overrides differ only in `group` (linear or
     conv)."""
     groups = {}
@@ -277,8 +277,8 @@ def summarize_sweep(sweep_dir, rows=None):
         >>> print(summarize_sweep("outputs/multirun/2026-11-22/10-00-00.000"))
     """
     rows = job_rows(sweep_dir) if rows is None else rows
-    pairs = linear_pairs(rows)
-    markdown = to_markdown(sweep_dir, rows, pairs, linear_pairs(rows, "conv"))
+    pairs = choice_pairs(rows)
+    markdown = to_markdown(sweep_dir, rows, pairs, choice_pairs(rows, "conv"))
     write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, pairs))
     write_text_atomic(Path(sweep_dir) / MARKDOWN_NAME, markdown)
     write_speedup_curves(sweep_dir, pairs)
