@@ -29,10 +29,15 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 GEMM_OPS = ["linear", "linear_relu", "backward_input", "backward_weight"]
 OPS = [*GEMM_OPS, "backward_bias"]
 BARRIER_TIMEOUT_EXIT = 86  # emu::kBarrierTimeoutExit in cuda_emu.h
+MISUSE_EXIT = 87  # emu::kMisuseExit: an instruction used against its rules
 TSAN_RACE_EXIT = 66  # ThreadSanitizer's exit code when it reported something
 
-# (M, N, K): degenerate, prime, and just off every tile edge (block tile 128 x 128 x 8; a test
-# below checks these against the sizes the compiled kernels report).
+TENSOR_CORE_DTYPES = ["float16", "bfloat16"]  # gemm_tc.cuh; float32 and float64 run gemm.cuh
+
+# (M, N, K): degenerate, prime, and just off every tile edge: the FMA kernel's block tile
+# 128 x 128 x 8, the tensor-core kernel's 128 x 128 x 32 with 64 x 32 warp tiles and 3 stages
+# (96 is exactly the stages, 97 and 130 wrap around them). A test below checks these against
+# the sizes the compiled kernels report.
 SHAPES = [
     (1, 1, 1),
     (37, 61, 45),
@@ -42,11 +47,18 @@ SHAPES = [
     (1, 130, 17),
     (130, 1, 33),
     (3, 5, 0),
+    (65, 33, 31),
+    (63, 31, 32),
+    (64, 32, 96),
+    (17, 9, 97),
+    (5, 7, 130),
 ]
-# Aligned, contiguous, row lengths a multiple of 4: every operand takes the wide-load path,
-# the second with partial runs at the M and K edges.
-WIDE_SHAPES = [(64, 64, 64), (130, 68, 12)]
-LAYOUTS = ["contiguous", "transposed", "misaligned", "strided"]
+# Aligned and contiguous: every operand takes the wide-load path (runs of 4 elements) or, on
+# the tensor cores, 16-byte cp.async copies. (130, 68, 12) has partial runs at the M and K
+# edges, (136, 72, 40) a partial block and a partial K tile; both have row lengths a multiple
+# of 8, as 16-byte copies of 16-bit rows need.
+WIDE_SHAPES = [(64, 64, 64), (130, 68, 12), (136, 72, 40)]
+LAYOUTS = ["contiguous", "transposed", "misaligned", "strided", "padded"]
 
 
 def quarters(*shape, generator):
@@ -68,6 +80,11 @@ def lay_out(values, layout):
         storage = torch.zeros(max(rows * row_stride, 1), dtype=values.dtype)
         torch.as_strided(storage, (rows, cols), (row_stride, 2)).copy_(values)
         return storage, 0, (row_stride, 2)
+    if layout == "padded":  # contiguous rows, each padded to a multiple of 8 elements plus 8
+        row_stride = (cols + 7) // 8 * 8 + 8
+        storage = torch.zeros(max(rows * row_stride, 1), dtype=values.dtype)
+        torch.as_strided(storage, (rows, cols), (row_stride, 1)).copy_(values)
+        return storage, 0, (row_stride, 1)
     raise ValueError(layout)
 
 
@@ -145,20 +162,41 @@ def test_kernels_read_any_layout(tmp_path, op, dtype_name, layout):
     assert_matches(*run_case(tmp_path, op, dtype_name, (37, 61, 45), layout))
 
 
-@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype_name", DTYPES)
+def load_path(dtype_name, wide):
+    """What the driver prints for a GEMM whose operands both take (or both miss) the wide path."""
+    if dtype_name in TENSOR_CORE_DTYPES:
+        return f"tensor_cores chunk_loads a={int(wide)} b={int(wide)}"
+    return f"wide_loads a={int(wide)} b={int(wide)}"
+
+
+WIDE_CASES = [(dtype_name, shape) for dtype_name in DTYPES for shape in WIDE_SHAPES
+              if dtype_name not in TENSOR_CORE_DTYPES or all(size % 8 == 0 for size in shape)]
+
+
+@pytest.mark.parametrize("dtype_name,shape", WIDE_CASES, ids=[f"{d}-{'x'.join(map(str, s))}" for d, s in WIDE_CASES])
 @pytest.mark.parametrize("op", GEMM_OPS)
 def test_aligned_operands_take_the_wide_load_path(tmp_path, op, dtype_name, shape):
     result, output, expected = run_case(tmp_path, op, dtype_name, shape)
     assert_matches(result, output, expected)
-    assert "wide_loads a=1 b=1" in result.stdout
+    assert load_path(dtype_name, wide=True) in result.stdout
 
 
-@pytest.mark.parametrize("layout", ["misaligned", "strided"])
-def test_misaligned_or_strided_operands_fall_back_to_scalar_loads(tmp_path, layout):
-    result, output, expected = run_case(tmp_path, "linear", "float32", (64, 64, 64), layout)
+@pytest.mark.parametrize("dtype_name", TENSOR_CORE_DTYPES)
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_padded_rows_take_16_byte_copies_with_partial_chunks_zero_filled(tmp_path, op, dtype_name):
+    # 45 and 61 are not multiples of 8: each row's last copy reads only what exists (cp.async's
+    # src-size) and zero-fills the rest, which must not reach the result.
+    result, output, expected = run_case(tmp_path, op, dtype_name, (37, 61, 45), "padded")
     assert_matches(result, output, expected)
-    assert "wide_loads a=0 b=0" in result.stdout
+    assert load_path(dtype_name, wide=True) in result.stdout
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["misaligned", "strided"])
+def test_misaligned_or_strided_operands_fall_back_to_scalar_loads(tmp_path, layout, dtype_name):
+    result, output, expected = run_case(tmp_path, "linear", dtype_name, (64, 64, 64), layout)
+    assert_matches(result, output, expected)
+    assert load_path(dtype_name, wide=False) in result.stdout
 
 
 def test_nan_passes_through_fused_relu(tmp_path):
@@ -216,27 +254,36 @@ def test_emulated_rounding_matches_torch(tmp_path, dtype_name):
 
 # ---- sanitizers: the real kernels are clean, each broken variant is caught ----
 
-# Tiny shapes: TSan runs 256 instrumented threads per block. K = 20 is three K tiles, so both
-# shared buffers are written and reread; N = 130 is two blocks.
-SANITIZER_CASES = [("linear", (5, 130, 20)), ("backward_input", (6, 20, 9)), ("backward_weight", (20, 6, 9)),
-                   ("backward_bias", (20, 40, 1))]
+# Both kernels' tile edges: M 129 and N 127 cross the block tile, K 9 the FMA kernel's K tile;
+# (65, 33, 97) crosses the tensor-core warp tiles and wraps around its 3 stages.
+SANITIZER_SHAPES = [(129, 127, 9), (65, 33, 97)]
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "float16"])
-@pytest.mark.parametrize("op,shape", SANITIZER_CASES, ids=[case[0] for case in SANITIZER_CASES])
-def test_real_kernels_are_clean_under_thread_sanitizer(tmp_path, op, shape, dtype_name):
+@pytest.mark.parametrize("shape", SANITIZER_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_real_kernels_are_clean_under_thread_sanitizer(tmp_path, op, dtype_name, shape):
     result, output, expected = run_case(tmp_path, op, dtype_name, shape, variant="tsan")
     assert "ThreadSanitizer" not in result.stderr, result.stderr
     assert_matches(result, output, expected)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "misaligned", "transposed"])
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned", "transposed", "padded"])
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_real_kernels_are_clean_under_address_sanitizer(tmp_path, op, dtype_name, layout):
     result, output, expected = run_case(tmp_path, op, dtype_name, (37, 61, 45), layout, variant="asan")
-    assert "AddressSanitizer" not in result.stderr, result.stderr
+    assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr
     assert_matches(result, output, expected)
+
+
+@pytest.mark.parametrize("dtype_name,shape", WIDE_CASES, ids=[f"{d}-{'x'.join(map(str, s))}" for d, s in WIDE_CASES])
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_wide_load_paths_are_clean_under_address_sanitizer(tmp_path, op, dtype_name, shape):
+    result, output, expected = run_case(tmp_path, op, dtype_name, shape, variant="asan")
+    assert "Sanitizer" not in result.stderr and "runtime error" not in result.stderr, result.stderr
+    assert_matches(result, output, expected)
+    assert load_path(dtype_name, wide=True) in result.stdout
 
 
 def test_missing_barrier_is_reported_as_a_data_race(tmp_path):
@@ -258,6 +305,104 @@ def test_barrier_not_reached_by_every_thread_times_out_with_an_error(tmp_path):
     result, _, _ = run_case(tmp_path, "linear", "float32", (5, 9, 20), variant="break_barrier", env=env)
     assert result.returncode == BARRIER_TIMEOUT_EXIT
     assert "__syncthreads() timed out after 1 s in block (0,0,0): 255 of 256 threads arrived" in result.stderr
+
+
+@pytest.mark.parametrize("dtype_name", DTYPES)
+def test_wide_load_through_a_misaligned_pointer_is_reported(tmp_path, dtype_name):
+    # The broken variant takes the wide path without checking the pointer's alignment.
+    result, _, _ = run_case(tmp_path, "linear", dtype_name, (64, 64, 64), "misaligned", variant="break_alignment")
+    assert result.returncode != 0
+    if dtype_name in TENSOR_CORE_DTYPES:  # cp.async's rule, checked by the emulation
+        assert result.returncode == MISUSE_EXIT
+        assert "cp.async: a source address is not 16-byte aligned" in result.stderr
+    else:  # UndefinedBehaviorSanitizer's alignment check
+        assert "misaligned address" in result.stderr and "gemm.cuh" in result.stderr  # the wide load in fetch_run
+
+
+# ---- the tensor-core kernel's broken variants (EMU_BREAK_* in gemm_tc.cuh) are each caught ----
+
+def test_too_weak_cp_async_wait_reads_poisoned_shared_memory(tmp_path):
+    # Waiting for one group fewer multiplies a stage whose copies have not landed: in the
+    # emulation they land as late as allowed, so the kernel reads shared memory's NaN poison.
+    result, output, expected = run_case(tmp_path, "linear", "float16", (64, 64, 96), variant="break_wait_group")
+    assert result.returncode == 0, result.stderr
+    assert output.isnan().any() and not expected.isnan().any()
+
+
+def test_wrong_fragment_register_is_caught(tmp_path):
+    result, output, expected = run_case(tmp_path, "linear", "bfloat16", (37, 61, 45), variant="break_fragment")
+    assert result.returncode == 0, result.stderr
+    assert not torch.equal(output, expected)
+
+
+def test_missing_barrier_between_pipeline_stages_is_reported_as_a_data_race(tmp_path):
+    result, _, _ = run_case(tmp_path, "linear", "float16", (64, 64, 130), variant="break_stage_barrier")
+    assert result.returncode == TSAN_RACE_EXIT
+    assert "WARNING: ThreadSanitizer: data race" in result.stderr
+    assert "gemm_tc.cuh" in result.stderr
+
+
+# ---- the emulated warp-level instructions, each against a plain reference ----
+
+def run_warp_test(tmp_path, op, dtype_name="-", inputs=()):
+    files = []
+    for index, values in enumerate(inputs):
+        path = tmp_path / f"in{index}"
+        values.contiguous().view(torch.uint8).numpy().tofile(path)
+        files.append(str(path))
+    result = run_driver("tsan", [op, dtype_name, str(tmp_path / "out"), *files])
+    assert result.returncode == 0 and "ThreadSanitizer" not in result.stderr, result.stderr
+    return (tmp_path / "out").read_bytes()
+
+
+@pytest.mark.parametrize("dtype_name", TENSOR_CORE_DTYPES)
+def test_mma_m16n8k16_computes_a_times_b_plus_c_with_the_isa_fragment_layouts(tmp_path, dtype_name):
+    g = torch.Generator().manual_seed(1)
+    a, b, c = quarters(16, 16, generator=g), quarters(16, 8, generator=g), quarters(16, 8, generator=g)
+    dtype = DTYPES[dtype_name]
+    out = run_warp_test(tmp_path, "warp_mma", dtype_name, [a.to(dtype), b.to(dtype), c.float()])
+    d = torch.frombuffer(bytearray(out), dtype=torch.float32).reshape(16, 8)
+    assert torch.equal(d, (a @ b + c).float())
+
+
+def halves(words):
+    """Each 32-bit register as (low 16 bits, high 16 bits): the element order of a .b16 pair."""
+    return torch.stack([words & 0xFFFF, words >> 16], dim=-1)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["ldmatrix", "ldmatrix.trans"])
+def test_ldmatrix_x4_deals_rows_out_as_the_isa_says(tmp_path, transposed):
+    matrices = torch.arange(256, dtype=torch.int32).to(torch.int16).reshape(4, 8, 8)  # distinct values
+    out = run_warp_test(tmp_path, "warp_ldmatrix_trans" if transposed else "warp_ldmatrix", inputs=[matrices])
+    registers = halves(torch.frombuffer(bytearray(out), dtype=torch.int32).reshape(32, 4).long() & 0xFFFFFFFF)
+    for lane in range(32):
+        for m in range(4):
+            first, fixed = 2 * (lane % 4), lane // 4
+            source = matrices[m].t() if transposed else matrices[m]  # .trans: of column lane / 4
+            assert registers[lane, m].tolist() == source[fixed, first:first + 2].tolist(), (lane, m)
+
+
+def test_cp_async_groups_land_at_their_wait_with_the_rest_zero_filled(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    source = torch.randint(1, 255, (3, 32, 16), generator=g, dtype=torch.uint8)
+    out = run_warp_test(tmp_path, "warp_cp_async", inputs=[source])
+    seen = torch.frombuffer(bytearray(out), dtype=torch.uint8).reshape(3, 32, 3, 16)  # moment, lane, group, byte
+    poison = torch.full((16,), 0xFF, dtype=torch.uint8)
+    for lane in range(32):
+        for group in range(3):
+            n = (lane + 5 * group) % 17
+            landed = torch.cat([source[group, lane, :n], torch.zeros(16 - n, dtype=torch.uint8)])
+            # the emulation lands a group only at the wait that covers it: as late as the rules allow
+            assert torch.equal(seen[0, lane, group], poison)
+            assert torch.equal(seen[1, lane, group], landed if group < 2 else poison)
+            assert torch.equal(seen[2, lane, group], landed)
+
+
+def test_warp_shuffles_match_their_definitions(tmp_path):
+    out = torch.frombuffer(bytearray(run_warp_test(tmp_path, "warp_shuffle")), dtype=torch.int32).reshape(32, 4)
+    for lane in range(32):
+        down = lane + 3 if lane + 3 < 32 else lane  # past the warp's end a lane keeps its own value
+        assert out[lane].tolist() == [1007, 1000 + (lane ^ 5), 1000 + down, 1000 + (lane // 8) * 8 + 3]
 
 
 # ---- precision: random inputs and long reductions, so the accumulator's type shows ----
@@ -401,6 +546,12 @@ def kernel_constants():
 def test_the_awkward_shapes_cross_every_tile_edge_of_the_kernels():
     c = kernel_constants()
     ms, ns, ks = (set(dims) for dims in zip(*SHAPES, strict=True))
-    for size, dims in ((c["block_m"], ms), (c["block_n"], ns), (c["block_k"], ks)):
+    edges = [(c["block_m"], ms), (c["block_n"], ns), (c["block_k"], ks), (c["tc_block_m"], ms), (c["tc_block_n"], ns),
+             (c["tc_block_k"], ks), (c["tc_warp_m"], ms), (c["tc_warp_n"], ns)]
+    for size, dims in edges:
         assert {size - 1, size, size + 1} <= dims
-    assert REDUCTION % c["block_k"] != 0  # the long reductions end in a partial K tile
+    stages_k = c["tc_stages"] * c["tc_block_k"]
+    assert stages_k in ks and any(k > stages_k + c["tc_block_k"] for k in ks)  # the pipeline wraps around
+    for shape in SANITIZER_SHAPES:  # and the sanitizers' shapes cross the blocks, K tiles and warp tiles
+        assert shape[0] > c["block_m"] or shape[0] % c["tc_warp_m"] != 0
+    assert REDUCTION % c["block_k"] != 0 and REDUCTION % c["tc_block_k"] != 0  # a partial last K tile

@@ -1,9 +1,9 @@
 """Builds the CUDA-emulation test driver (driver.cpp + the real kernel headers) with g++,
 once per variant, cached by a hash of the sources and flags.
 
-Variants: "plain", ThreadSanitizer "tsan", AddressSanitizer "asan", and the deliberately
-broken kernels ("break_sync" under TSan, "break_bounds" under ASan, "break_barrier"),
-made by the EMU_BREAK_* switches in ext/csrc/cuda/gemm.cuh.
+Variants: "plain", ThreadSanitizer "tsan", AddressSanitizer (with the alignment check)
+"asan", and the deliberately broken kernels ("break_*"), made by the EMU_BREAK_* switches
+in ext/csrc/cuda/gemm.cuh and gemm_tc.cuh, each under the tool that must catch it.
 
 Also the CUDA ops' host code (host_ops.cpp with ext/csrc/cuda/linear_host.h) as a torch
 extension: host_ops_library().
@@ -22,7 +22,9 @@ KERNEL_DIR = EMU_DIR.parents[1] / "ext" / "csrc" / "cuda"
 
 _COMMON_FLAGS = ["-std=c++20", "-pthread", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"]
 _TSAN = ["-O1", "-fsanitize=thread"]
-_ASAN = ["-O1", "-fsanitize=address", "-fno-omit-frame-pointer"]
+# AddressSanitizer, and UndefinedBehaviorSanitizer's alignment check: a wide load through a
+# misaligned pointer is an error too.
+_ASAN = ["-O1", "-fsanitize=address,alignment", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 VARIANT_FLAGS = {
     "plain": ["-O2"],
     "tsan": _TSAN,
@@ -30,6 +32,10 @@ VARIANT_FLAGS = {
     "break_sync": [*_TSAN, "-DEMU_BREAK_SYNC"],
     "break_bounds": [*_ASAN, "-DEMU_BREAK_BOUNDS"],
     "break_barrier": ["-O2", "-DEMU_BREAK_BARRIER"],
+    "break_alignment": [*_ASAN, "-DEMU_BREAK_ALIGNMENT"],
+    "break_wait_group": ["-O2", "-DEMU_BREAK_WAIT_GROUP"],
+    "break_fragment": ["-O2", "-DEMU_BREAK_FRAGMENT"],
+    "break_stage_barrier": [*_TSAN, "-DEMU_BREAK_STAGE_BARRIER"],
 }
 
 

@@ -3,13 +3,16 @@
 //
 // - One OS thread per CUDA thread of a block; blocks run one after another.
 // - threadIdx / blockIdx / blockDim / gridDim are thread_local.
-// - __shared__ makes a kernel's shared arrays static: since only one block runs
-//   at a time, one static array is exactly that block's shared memory, seen by
-//   all its threads (and by ThreadSanitizer as memory the threads share).
-// - __syncthreads() is a real barrier among the block's threads. If not every
-//   thread reaches it within EMU_BARRIER_TIMEOUT_S seconds (default 30), the
-//   process prints which block and how many threads arrived, and exits with
-//   kBarrierTimeoutExit: an error, never a hang.
+// - Shared memory is the launch's dynamic shared memory (EXT_SHARED_MEMORY in the kernels):
+//   each block gets a fresh heap allocation of exactly the launch's size, filled with 0xff
+//   bytes, a NaN in every float format. A read before any write shows as a NaN in the result,
+//   and AddressSanitizer sees a read or write past the end.
+// - __syncthreads() is a real barrier among the block's threads. If not every thread reaches
+//   it within EMU_BARRIER_TIMEOUT_S seconds (default 30), the process prints which block and
+//   how many threads arrived, and exits with kBarrierTimeoutExit: an error, never a hang.
+// - Warps: lanes are threads 32w .. 32w + 31. The warp-wide instructions (mma.sync, ldmatrix,
+//   shuffles; ptx_emu.h) meet at their warp's Warp below: each lane brings its registers,
+//   the last to arrive computes the instruction for all 32 from the PTX ISA's definition.
 // - __half and __nv_bfloat16 convert with round-to-nearest-even, like the GPU.
 // Include this before any kernel header.
 #pragma once
@@ -18,6 +21,9 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <new>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <array>
 #include <vector>
 
 #define __global__
@@ -32,6 +39,8 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+// A kernel's shared memory: this block's poisoned allocation (see above).
+#define EXT_SHARED_MEMORY(name) unsigned char* const name = emu::shared_memory()
 
 struct dim3 {
   unsigned x, y, z;
@@ -96,17 +105,105 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 
 namespace emu {
 
-constexpr int kBarrierTimeoutExit = 86;
+constexpr int kBarrierTimeoutExit = 86;  // a barrier or warp-wide instruction some threads never reached
+constexpr int kMisuseExit = 87;          // an instruction used against its rules (bad address, divergence)
 
 inline double barrier_timeout_s() {
   const char* text = std::getenv("EMU_BARRIER_TIMEOUT_S");
   return text != nullptr ? std::atof(text) : 30.0;
 }
 
-// The running block: its barrier and who has left the kernel.
+[[noreturn]] inline void fail(const std::string& message, int exit_code = kMisuseExit) {
+  std::fprintf(stderr, "emu: %s\n", message.c_str());
+  std::fflush(stderr);
+  std::_Exit(exit_code);
+}
+
+inline unsigned linear_thread_index() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+
+// One warp's meeting point for its warp-wide (.sync.aligned) instructions: every lane executes
+// the same instruction, each with its own registers, and each gets its own results.
+class Warp {
+ public:
+  static constexpr int kLanes = 32;
+  static constexpr int kWords = 12;  // the most 32-bit registers a lane brings to or takes from one instruction
+  using Words = std::array<uint32_t, kWords>;
+  using Lanes = std::array<Words, kLanes>;
+
+  Warp(unsigned index, unsigned lanes) : index_(index), lanes_(lanes) {}
+
+  // Lane `lane` arrives at `instruction` with `mine`; the last lane to arrive runs
+  // compute(inputs, outputs) once for the warp; every lane leaves with outputs[lane].
+  template <typename Compute>
+  Words exchange(const char* instruction, unsigned lane, const Words& mine, Compute compute) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (arrived_ == 0) {
+      instruction_ = instruction;
+    } else if (std::strcmp(instruction_, instruction) != 0) {
+      fail("warp " + std::to_string(index_) + " diverged: lane " + std::to_string(lane) + " reached " +
+           instruction + " while other lanes wait at " + instruction_ +
+           "; a .sync.aligned instruction must be executed by every lane of the warp together");
+    }
+    inputs_[lane] = mine;
+    const uint64_t generation = generation_;
+    if (++arrived_ == lanes_) {
+      compute(inputs_, outputs_);
+      arrived_ = 0;
+      ++generation_;
+      all_arrived_.notify_all();
+      return outputs_[lane];
+    }
+    const auto timeout = std::chrono::duration<double>(barrier_timeout_s());
+    if (!all_arrived_.wait_for(lock, timeout, [&] { return generation_ != generation; })) {
+      fail(std::string(instruction) + " timed out after " + std::to_string(barrier_timeout_s()) + " s in warp " +
+           std::to_string(index_) + ": " + std::to_string(arrived_) + " of " + std::to_string(lanes_) +
+           " lanes arrived (is it inside a branch some lanes skip?)",
+           kBarrierTimeoutExit);
+    }
+    return outputs_[lane];  // read under the lock: the next instruction's compute waits for every lane
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable all_arrived_;
+  unsigned index_;
+  unsigned lanes_;
+  unsigned arrived_ = 0;
+  uint64_t generation_ = 0;
+  const char* instruction_ = "";
+  Lanes inputs_{};
+  Lanes outputs_{};
+};
+
+constexpr unsigned char kSharedPoison = 0xff;  // 0xffff... is a NaN in float64, float32, float16 and bfloat16
+
+// The running block: its barrier, its warps, its shared memory, and who has left the kernel.
 class Block {
  public:
-  Block(dim3 index, unsigned num_threads) : index_(index), num_threads_(num_threads) {}
+  Block(dim3 index, unsigned num_threads, size_t shared_bytes)
+      : index_(index), num_threads_(num_threads), shared_bytes_(shared_bytes) {
+    for (unsigned first = 0; first < num_threads; first += Warp::kLanes) {
+      warps_.push_back(std::make_unique<Warp>(first / Warp::kLanes, std::min<unsigned>(Warp::kLanes, num_threads - first)));
+    }
+    if (shared_bytes > 0) {  // exactly the launch's size, so AddressSanitizer sees any access past it
+      shared_ = static_cast<unsigned char*>(::operator new(shared_bytes, std::align_val_t(128)));
+      std::memset(shared_, kSharedPoison, shared_bytes);
+    }
+  }
+  ~Block() {
+    if (shared_ != nullptr) ::operator delete(shared_, std::align_val_t(128));
+  }
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+
+  unsigned char* shared_memory() const { return shared_; }
+  bool in_shared_memory(const void* pointer, size_t bytes) const {
+    const auto* p = static_cast<const unsigned char*>(pointer);
+    return shared_ != nullptr && p >= shared_ && p + bytes <= shared_ + shared_bytes_;
+  }
+  Warp& warp_of(unsigned thread) { return *warps_[thread / Warp::kLanes]; }
 
   void sync_threads() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -139,6 +236,9 @@ class Block {
   std::condition_variable all_arrived_;
   dim3 index_;
   unsigned num_threads_;
+  size_t shared_bytes_;
+  unsigned char* shared_ = nullptr;
+  std::vector<std::unique_ptr<Warp>> warps_;
   unsigned arrived_ = 0;
   unsigned exited_ = 0;
   uint64_t generation_ = 0;
@@ -146,20 +246,31 @@ class Block {
 
 inline Block* running_block = nullptr;  // set before a block's threads start, so they all see it
 
-// kernel<<<grid, block>>>(args...): the blocks one after another, each as blockDim OS threads.
+inline void thread_exit_hook();  // ptx_emu.h: drops the thread's unfinished asynchronous copies
+
+inline unsigned char* shared_memory() { return running_block->shared_memory(); }
+
+constexpr size_t kDefaultSharedLimit = 48 * 1024;
+
+// kernel<<<grid, block, shared_bytes>>>(args...): the blocks one after another, each as blockDim
+// OS threads with its own shared memory.
 // A grid CUDA would refuse (a zero dimension, y or z over 65535) is refused here too, as the
 // error a real launch reports, so host code that launches one fails its tests.
 template <typename... Params, typename... Args>
-void launch(dim3 grid, dim3 block, void (*kernel)(Params...), const Args&... args) {
+void launch(dim3 grid, dim3 block, size_t shared_bytes, void (*kernel)(Params...), const Args&... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) {
     throw std::runtime_error("emu: invalid configuration argument: grid (" + std::to_string(grid.x) + ", " +
                              std::to_string(grid.y) + ", " + std::to_string(grid.z) + ")");
+  }
+  if (shared_bytes > kDefaultSharedLimit) {  // more needs cudaFuncSetAttribute, which no host code here calls
+    throw std::runtime_error("emu: too many resources requested for launch: " + std::to_string(shared_bytes) +
+                             " bytes of dynamic shared memory, over the 48 KiB a kernel gets without opting in");
   }
   const unsigned num_threads = block.x * block.y * block.z;
   for (unsigned bz = 0; bz < grid.z; ++bz) {
     for (unsigned by = 0; by < grid.y; ++by) {
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        Block state(dim3(bx, by, bz), num_threads);
+        Block state(dim3(bx, by, bz), num_threads, shared_bytes);
         running_block = &state;
         std::vector<std::thread> threads;
         threads.reserve(num_threads);
@@ -170,6 +281,7 @@ void launch(dim3 grid, dim3 block, void (*kernel)(Params...), const Args&... arg
             blockDim = block;
             gridDim = grid;
             kernel(args...);
+            thread_exit_hook();
             state.thread_exited();
           });
         }
@@ -183,3 +295,5 @@ void launch(dim3 grid, dim3 block, void (*kernel)(Params...), const Args&... arg
 }  // namespace emu
 
 inline void __syncthreads() { emu::running_block->sync_threads(); }
+
+#include "ptx_emu.h"  // the warp-level instructions of ext/csrc/cuda/ptx.cuh

@@ -16,11 +16,19 @@
 //   constants                              prints the kernels' tile sizes as NAME=VALUE lines
 //                                          (DTYPE and OUT_FILE are ignored), so tests never copy them
 //
+// The emulated warp-level instructions, one warp each (warp_kernels.h says what goes in and out):
+//   warp_mma A B C                         D = A·B + C of one m16n8k16 tile (DTYPE float16/bfloat16)
+//   warp_ldmatrix M, warp_ldmatrix_trans M the 4 x 32 registers ldmatrix.x4 (.trans) gives
+//   warp_cp_async SRC                      shared memory seen at three moments of three copy groups
+//   warp_shuffle                           the lanes' results of four shuffles
+// Their inputs are raw files, not operand specs.
+//
 // BIAS is an N x 1 operand. GEMM ops print which operands took the wide-load path.
 #include "cuda_emu.h"
 
-#include "gemm.cuh"
+#include "gemm_launch.cuh"
 #include "sum_rows.cuh"
+#include "warp_kernels.h"
 
 #include <cstring>
 #include <fstream>
@@ -79,11 +87,22 @@ Operand<T> parse_operand(const std::string& spec) {
 
 // An empty output launches nothing, as the host code (linear_host.h) returns before any launch:
 // CUDA refuses a grid with a zero dimension, and so does the emulation.
+struct EmulatedDevice {
+  template <typename Params>
+  static void launch(void (*kernel)(Params), dim3 grid, size_t shared_bytes, const Params& params) {
+    emu::launch(grid, dim3(ext::cuda::kThreads), shared_bytes, kernel, params);
+  }
+};
+
 template <typename T>
 void run_gemm(const ext::cuda::GemmParams<T>& params) {
   if (params.a.outer_size == 0 || params.b.outer_size == 0) return;
-  std::printf("wide_loads a=%d b=%d\n", int(params.a.wide_loads), int(params.b.wide_loads));
-  emu::launch(ext::cuda::gemm_grid(params), dim3(ext::cuda::kThreads), ext::cuda::gemm_kernel<T>, params);
+  if constexpr (ext::cuda::kOnTensorCores<T>) {
+    std::printf("tensor_cores chunk_loads a=%d b=%d\n", int(params.a.chunk_loads), int(params.b.chunk_loads));
+  } else {
+    std::printf("wide_loads a=%d b=%d\n", int(params.a.wide_loads), int(params.b.wide_loads));
+  }
+  ext::cuda::launch_gemm_kernel<EmulatedDevice>(params);
 }
 
 template <typename T>
@@ -113,8 +132,8 @@ void run_op(std::string_view op, const std::string& out_path, const std::vector<
     expect_operands(1, 1);
     out.resize(size_t(operands[0].view.cols));
     const ext::cuda::SumRowsParams<T> params{operands[0].view, out.data()};
-    if (!out.empty()) emu::launch(ext::cuda::sum_rows_grid(params), dim3(ext::cuda::kThreads), ext::cuda::sum_rows_kernel<T>,
-                params);
+    if (!out.empty()) EmulatedDevice::launch(ext::cuda::sum_rows_kernel<T>, ext::cuda::sum_rows_grid(params),
+                                             ext::cuda::kSumRowsSharedBytes<T>, params);
   } else {
     fail("unknown op " + std::string(op));
   }
@@ -141,6 +160,60 @@ void run_conversion(std::string_view op, const std::string& out_path, const std:
   }
 }
 
+template <typename T>
+std::vector<T> read_elements(const std::string& path, size_t count) {
+  const std::vector<char> bytes = read_bytes(path);
+  if (bytes.size() != count * sizeof(T)) fail(path + " must hold " + std::to_string(count) + " elements");
+  std::vector<T> values(count);
+  std::memcpy(values.data(), bytes.data(), bytes.size());
+  return values;
+}
+
+template <typename T>
+void run_warp_mma(const std::string& out_path, const std::vector<std::string>& files) {
+  if (files.size() != 3) fail("warp_mma takes the files A (16 x 16), B (16 x 8) and C (16 x 8, float32)");
+  const auto a = read_elements<T>(files[0], 16 * 16);
+  const auto b = read_elements<T>(files[1], 16 * 8);
+  const auto c = read_elements<float>(files[2], 16 * 8);
+  std::vector<float> d(16 * 8);
+  emu::launch(dim3(1), dim3(32), 0, warp_tests::mma_tile<T>, a.data(), b.data(), c.data(), d.data());
+  write_elements(out_path, d);
+}
+
+void run_warp_test(std::string_view op, std::string_view dtype, const std::string& out_path,
+                   const std::vector<std::string>& files) {
+  if (op == "warp_mma") {
+    if (dtype == "float16") return run_warp_mma<__half>(out_path, files);
+    if (dtype == "bfloat16") return run_warp_mma<__nv_bfloat16>(out_path, files);
+    fail("warp_mma is for float16 and bfloat16");
+  }
+  if (op == "warp_ldmatrix" || op == "warp_ldmatrix_trans") {
+    if (files.size() != 1) fail(std::string(op) + " takes one file: 4 x 8 x 8 16-bit values");
+    const auto matrices = read_elements<uint16_t>(files[0], 256);
+    std::vector<uint32_t> out(32 * 4);
+    const size_t shared_bytes = 32 * 24 * sizeof(uint16_t);
+    if (op == "warp_ldmatrix") {
+      emu::launch(dim3(1), dim3(32), shared_bytes, warp_tests::ldmatrix_rows<false>, matrices.data(), out.data());
+    } else {
+      emu::launch(dim3(1), dim3(32), shared_bytes, warp_tests::ldmatrix_rows<true>, matrices.data(), out.data());
+    }
+    return write_elements(out_path, out);
+  }
+  if (op == "warp_cp_async") {
+    if (files.size() != 1) fail("warp_cp_async takes one file: 3 x 32 x 16 source bytes");
+    std::vector<unsigned char> src = read_elements<unsigned char>(files[0], 3 * 32 * 16);
+    std::vector<unsigned char> out(3 * 32 * 3 * 16);
+    emu::launch(dim3(1), dim3(32), 32 * 3 * 16, warp_tests::cp_async_groups, src.data(), out.data());
+    return write_elements(out_path, out);
+  }
+  if (op == "warp_shuffle") {
+    std::vector<int> out(32 * 4);
+    emu::launch(dim3(1), dim3(32), 0, warp_tests::shuffles, out.data());
+    return write_elements(out_path, out);
+  }
+  fail("unknown op " + std::string(op));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,6 +226,14 @@ int main(int argc, char** argv) {
     namespace k = ext::cuda;
     std::printf("threads=%d\nblock_m=%d\nblock_n=%d\nblock_k=%d\nrun=%d\nsum_cols=%d\nsum_row_lanes=%d\n",
                 k::kThreads, k::kBlockM, k::kBlockN, k::kBlockK, k::kRun, k::kSumCols, k::kSumRowLanes);
+    std::printf("tc_block_m=%d\ntc_block_n=%d\ntc_block_k=%d\ntc_stages=%d\ntc_warp_m=%d\ntc_warp_n=%d\n"
+                "tc_chunk=%d\n",
+                k::tc::kBlockM, k::tc::kBlockN, k::tc::kBlockK, k::tc::kStages, k::tc::kWarpM, k::tc::kWarpN,
+                k::tc::kChunk);
+    return 0;
+  }
+  if (op.starts_with("warp_")) {
+    run_warp_test(op, dtype, out_path, specs);
     return 0;
   }
   if (op == "to_dtype" || op == "to_float") {

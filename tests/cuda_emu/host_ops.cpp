@@ -26,8 +26,8 @@ struct EmulatedDevice {
   static constexpr c10::DispatchKey kAutocastKey = c10::DispatchKey::AutocastCPU;
 
   template <typename Params>
-  static void launch(void (*kernel)(Params), dim3 grid, const Params& params) {
-    emu::launch(grid, dim3(ext::cuda::kThreads), kernel, params);
+  static void launch(void (*kernel)(Params), dim3 grid, size_t shared_bytes, const Params& params) {
+    emu::launch(grid, dim3(ext::cuda::kThreads), shared_bytes, kernel, params);
   }
 
   using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);

@@ -11,7 +11,7 @@ namespace ext::cuda {
 
 constexpr int kBlockM = 128;  // a block's tile of C is 128 x 128: each loaded element feeds 128 FMAs,
 constexpr int kBlockN = 128;  // enough reuse to keep the FMA units ahead of global memory
-constexpr int kBlockK = 8;    // 2 buffers x (A + B) x 8 x 128 floats = 16 KB shared: 4 blocks fit per SM
+constexpr int kBlockK = 8;    // 2 buffers x (A + B) x 8 x 132 floats = 17 KB of shared memory
 constexpr int kThreadM = 8;   // a thread's 8 x 8 tile of C: 64 FMAs for every 16 shared loads
 constexpr int kThreadN = 8;
 constexpr int kThreadsN = kBlockN / kThreadN;  // 16 threads across a block's columns
@@ -51,6 +51,7 @@ struct TileOperand {
   int64_t k_stride;
   bool runs_along_k;  // a thread's kRun elements are consecutive in K (else in the outer dimension)
   bool wide_loads;    // those runs are contiguous and aligned in memory: one wide load each
+  bool chunk_loads;   // runs of 16 bytes are too: the tensor-core kernel's cp.async copies (gemm_tc.cuh)
 };
 
 // Chooses, on the host, how a block's threads read this operand: along whichever
@@ -61,10 +62,16 @@ inline TileOperand<T> make_tile_operand(const T* ptr, int64_t outer_size, int64_
   const bool runs_along_k = k_stride == 1 && outer_stride != 1;
   const int64_t run_stride = runs_along_k ? k_stride : outer_stride;
   const int64_t between_runs_stride = runs_along_k ? outer_stride : k_stride;
-  constexpr int64_t align_bytes = alignof(Run<T>);
-  const bool wide_loads = run_stride == 1 && reinterpret_cast<uintptr_t>(ptr) % align_bytes == 0 &&
-                          (between_runs_stride * int64_t(sizeof(T))) % align_bytes == 0;
-  return {ptr, outer_size, outer_stride, k_stride, runs_along_k, wide_loads};
+#if defined(EMU_BREAK_ALIGNMENT)
+  const auto aligned_runs = [&](int64_t) { return run_stride == 1 && between_runs_stride != 0; };  // alignment unchecked
+#else
+  const auto aligned_runs = [&](int64_t align_bytes) {
+    return run_stride == 1 && reinterpret_cast<uintptr_t>(ptr) % align_bytes == 0 &&
+           (between_runs_stride * int64_t(sizeof(T))) % align_bytes == 0;
+  };
+#endif
+  return {ptr, outer_size, outer_stride, k_stride, runs_along_k, aligned_runs(alignof(Run<T>)),
+          aligned_runs(kMaxAccessBytes)};
 }
 
 template <typename T>
@@ -212,11 +219,25 @@ __device__ __forceinline__ void multiply_tiles(const SharedTile<Acc>& a, const S
   }
 }
 
+// The kernel's shared memory: double-buffered, one tile is read while the next is written.
+template <typename Acc>
+struct GemmShared {
+  SharedTile<Acc> a[2];
+  SharedTile<Acc> b[2];
+};
+
+// Two blocks per SM need at most 128 registers a thread (65536 / 512). float64's 8 x 8
+// accumulators alone take 128, so float64 runs one block per SM.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) gemm_kernel(const GemmParams<T> p) {
+constexpr int kGemmMinBlocksPerSm = std::is_same_v<T, double> ? 1 : 2;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kGemmMinBlocksPerSm<T>) gemm_kernel(const GemmParams<T> p) {
   using Acc = acc_t<T>;
-  __shared__ SharedTile<Acc> a_tiles[2];  // double-buffered: one is read while the next is written
-  __shared__ SharedTile<Acc> b_tiles[2];
+  EXT_SHARED_MEMORY(shared);
+  GemmShared<Acc>& tiles = shared_as<GemmShared<Acc>>(shared);
+  SharedTile<Acc>* a_tiles = tiles.a;
+  SharedTile<Acc>* b_tiles = tiles.b;
 
   const int64_t m0 = int64_t(blockIdx.x) * kBlockM;
   const int64_t n0 = int64_t(blockIdx.y) * kBlockN;

@@ -47,6 +47,21 @@ struct alignas(sizeof(T) * kRun < kMaxAccessBytes ? sizeof(T) * kRun : kMaxAcces
   T v[kRun];
 };
 
+// A kernel's shared memory is the launch's dynamic shared memory, laid out by a struct of
+// the kernel's: the host passes sizeof that struct at launch (at most 48 KiB, the limit
+// without opting in). Dynamic rather than static, so the CPU emulation can give every block
+// fresh memory filled with NaNs, and a read before a write shows.
+#ifdef __CUDACC__
+#define EXT_SHARED_MEMORY(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+constexpr int kMaxSharedBytes = 48 * 1024;
+
+template <typename Layout>
+__device__ __forceinline__ Layout& shared_as(unsigned char* memory) {
+  static_assert(sizeof(Layout) <= kMaxSharedBytes, "over the shared memory a launch gets without opting in");
+  return *reinterpret_cast<Layout*>(memory);
+}
+
 // A read-only 2-D view with arbitrary strides, in elements: (r, c) is ptr[r * row_stride + c * col_stride].
 template <typename T>
 struct StridedMatrix {

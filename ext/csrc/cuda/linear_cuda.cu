@@ -19,8 +19,8 @@ struct CudaDevice {
   static constexpr c10::DispatchKey kAutocastKey = c10::DispatchKey::AutocastCUDA;
 
   template <typename Params>
-  static void launch(void (*kernel)(Params), dim3 grid, const Params& params) {
-    kernel<<<grid, cuda::kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
+  static void launch(void (*kernel)(Params), dim3 grid, size_t shared_bytes, const Params& params) {
+    kernel<<<grid, cuda::kThreads, shared_bytes, c10::cuda::getCurrentCUDAStream()>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 

@@ -6,13 +6,14 @@
 //
 // A Device provides:
 //   Device::Guard                       constructed from the inputs' at::Device for the call
-//   Device::launch(kernel, grid, params) runs kernel<<<grid, kThreads>>>(params) on its stream
+//   Device::launch(kernel, grid, shared_bytes, params)
+//                                       runs kernel<<<grid, kThreads, shared_bytes>>>(params) on its stream
 //   Device::kType, Device::kAutocastKey  the device type and autocast key the ops are under
 //   Device::linear_op(relu)              the dispatcher handle of the (fused) linear op
 #pragma once
 
 #include "../checks.h"
-#include "gemm.cuh"
+#include "gemm_launch.cuh"
 #include "sum_rows.cuh"
 
 #include <ATen/autocast_mode.h>
@@ -53,7 +54,7 @@ struct LinearHost {
   static void launch_gemm(const GemmParams<T>& params) {
     TORCH_CHECK(params.b.outer_size <= kMaxGemmN, "ext CUDA GEMM: an output with ", params.b.outer_size,
                 " columns exceeds the grid limit of ", kMaxGemmN);
-    Device::launch(gemm_kernel<T>, gemm_grid(params), params);
+    launch_gemm_kernel<Device>(params);
   }
 
   // Y (M x N) = X (M x K) · Wᵀ + bias, optionally followed by ReLU in the same store.
@@ -110,7 +111,7 @@ struct LinearHost {
     dispatch_dtype(grad_output.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
       const SumRowsParams<T> params{strided<T>(grad_output), mutable_ptr<T>(grad_bias)};
-      Device::launch(sum_rows_kernel<T>, sum_rows_grid(params), params);
+      Device::launch(sum_rows_kernel<T>, sum_rows_grid(params), kSumRowsSharedBytes<T>, params);
     });
     return grad_bias;
   }

@@ -20,10 +20,19 @@ inline dim3 sum_rows_grid(const SumRowsParams<T>& p) {
   return dim3(unsigned((p.a.cols + kSumCols - 1) / kSumCols));
 }
 
+template <typename Acc>
+struct SumRowsShared {
+  Acc lane_sums[kSumRowLanes][kSumCols];
+};
+
+template <typename T>
+constexpr size_t kSumRowsSharedBytes = sizeof(SumRowsShared<acc_t<T>>);  // the launch's dynamic shared memory
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) sum_rows_kernel(const SumRowsParams<T> p) {
   using Acc = acc_t<T>;
-  __shared__ Acc lane_sums[kSumRowLanes][kSumCols];
+  EXT_SHARED_MEMORY(shared);
+  auto& lane_sums = shared_as<SumRowsShared<Acc>>(shared).lane_sums;
 
   const int col_in_block = int(threadIdx.x) % kSumCols;
   const int lane = int(threadIdx.x) / kSumCols;

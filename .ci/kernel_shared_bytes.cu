@@ -1,0 +1,21 @@
+// Prints each CUDA kernel's dynamic shared memory per block, as the host code launches it, for
+// .ci/check_cuda.sh's occupancy figures (ptxas reports static shared memory only). Host code:
+// compiled by nvcc and run here, no GPU needed. A kernel missing from this list fails the check.
+#include "../ext/csrc/cuda/gemm_launch.cuh"
+#include "../ext/csrc/cuda/sum_rows.cuh"
+
+#include <cstdio>
+
+using namespace ext::cuda;
+
+int main() {
+  std::printf("ext::cuda::gemm_kernel<float> %zu\n", kGemmSharedBytes<float>);
+  std::printf("ext::cuda::gemm_kernel<double> %zu\n", kGemmSharedBytes<double>);
+  std::printf("ext::cuda::tc::gemm_kernel<__half> %zu\n", kGemmSharedBytes<__half>);
+  std::printf("ext::cuda::tc::gemm_kernel<__nv_bfloat16> %zu\n", kGemmSharedBytes<__nv_bfloat16>);
+  std::printf("ext::cuda::sum_rows_kernel<float> %zu\n", kSumRowsSharedBytes<float>);
+  std::printf("ext::cuda::sum_rows_kernel<double> %zu\n", kSumRowsSharedBytes<double>);
+  std::printf("ext::cuda::sum_rows_kernel<__half> %zu\n", kSumRowsSharedBytes<__half>);
+  std::printf("ext::cuda::sum_rows_kernel<__nv_bfloat16> %zu\n", kSumRowsSharedBytes<__nv_bfloat16>);
+  return 0;
+}
