@@ -9,10 +9,11 @@
 using namespace ext::cuda;
 
 int main() {
-  std::printf("ext::cuda::gemm_kernel<float> %zu\n", kGemmSharedBytes<float>);
-  std::printf("ext::cuda::gemm_kernel<double> %zu\n", kGemmSharedBytes<double>);
-  std::printf("ext::cuda::tc::gemm_kernel<__half> %zu\n", kGemmSharedBytes<__half>);
-  std::printf("ext::cuda::tc::gemm_kernel<__nv_bfloat16> %zu\n", kGemmSharedBytes<__nv_bfloat16>);
+  std::printf("ext::cuda::gemm_kernel<float> %zu\n", kFmaSharedBytes<float>);
+  std::printf("ext::cuda::gemm_kernel<double> %zu\n", kFmaSharedBytes<double>);
+  std::printf("ext::cuda::tc::gemm_kernel<float> %zu\n", kTensorCoreSharedBytes<float>);
+  std::printf("ext::cuda::tc::gemm_kernel<__half> %zu\n", kTensorCoreSharedBytes<__half>);
+  std::printf("ext::cuda::tc::gemm_kernel<__nv_bfloat16> %zu\n", kTensorCoreSharedBytes<__nv_bfloat16>);
   std::printf("ext::cuda::sum_rows_kernel<float> %zu\n", kSumRowsSharedBytes<float>);
   std::printf("ext::cuda::sum_rows_kernel<double> %zu\n", kSumRowsSharedBytes<double>);
   std::printf("ext::cuda::sum_rows_kernel<__half> %zu\n", kSumRowsSharedBytes<__half>);

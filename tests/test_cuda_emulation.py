@@ -25,19 +25,22 @@ from build import driver_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the emulation harness needs Linux and g++")
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# "tf32": float32 data with TF32 allowed (torch.backends.cuda.matmul.allow_tf32 on the GPU).
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "tf32": torch.float32}
 GEMM_OPS = ["linear", "linear_relu", "backward_input", "backward_weight"]
 OPS = [*GEMM_OPS, "backward_bias"]
 BARRIER_TIMEOUT_EXIT = 86  # emu::kBarrierTimeoutExit in cuda_emu.h
 MISUSE_EXIT = 87  # emu::kMisuseExit: an instruction used against its rules
 TSAN_RACE_EXIT = 66  # ThreadSanitizer's exit code when it reported something
 
-TENSOR_CORE_DTYPES = ["float16", "bfloat16"]  # gemm_tc.cuh; float32 and float64 run gemm.cuh
+TENSOR_CORE_DTYPES = ["float16", "bfloat16", "tf32"]  # gemm_tc.cuh; float32 and float64 run gemm.cuh
+CHUNK = {"float16": 8, "bfloat16": 8, "tf32": 4}  # elements in the tensor-core kernel's 16-byte copies
 
 # (M, N, K): degenerate, prime, and just off every tile edge: the FMA kernel's block tile
-# 128 x 128 x 8, the tensor-core kernel's 128 x 128 x 32 with 64 x 32 warp tiles and 3 stages
-# (96 is exactly the stages, 97 and 130 wrap around them). A test below checks these against
-# the sizes the compiled kernels report.
+# 128 x 128 x 8, the tensor-core kernel's 128 x 128 x 32 (x 16 for TF32) with 64 x 32 warp
+# tiles and 3 stages (96 is exactly the stages, 97 and 130 wrap around them). A test below
+# checks these against the sizes the compiled kernels report.
 SHAPES = [
     (1, 1, 1),
     (37, 61, 45),
@@ -52,6 +55,8 @@ SHAPES = [
     (64, 32, 96),
     (17, 9, 97),
     (5, 7, 130),
+    (31, 17, 15),
+    (33, 9, 16),
 ]
 # Aligned and contiguous: every operand takes the wide-load path (runs of 4 elements) or, on
 # the tensor cores, 16-byte cp.async copies. (130, 68, 12) has partial runs at the M and K
@@ -169,8 +174,9 @@ def load_path(dtype_name, wide):
     return f"wide_loads a={int(wide)} b={int(wide)}"
 
 
+# Row lengths are N and K in every op's operands: wide when they are multiples of a run or chunk.
 WIDE_CASES = [(dtype_name, shape) for dtype_name in DTYPES for shape in WIDE_SHAPES
-              if dtype_name not in TENSOR_CORE_DTYPES or all(size % 8 == 0 for size in shape)]
+              if all(size % CHUNK.get(dtype_name, 4) == 0 for size in shape[1:])]
 
 
 @pytest.mark.parametrize("dtype_name,shape", WIDE_CASES, ids=[f"{d}-{'x'.join(map(str, s))}" for d, s in WIDE_CASES])
@@ -355,14 +361,38 @@ def run_warp_test(tmp_path, op, dtype_name="-", inputs=()):
     return (tmp_path / "out").read_bytes()
 
 
-@pytest.mark.parametrize("dtype_name", TENSOR_CORE_DTYPES)
-def test_mma_m16n8k16_computes_a_times_b_plus_c_with_the_isa_fragment_layouts(tmp_path, dtype_name):
-    g = torch.Generator().manual_seed(1)
-    a, b, c = quarters(16, 16, generator=g), quarters(16, 8, generator=g), quarters(16, 8, generator=g)
+def run_warp_mma(tmp_path, dtype_name, a, b, c):
     dtype = DTYPES[dtype_name]
     out = run_warp_test(tmp_path, "warp_mma", dtype_name, [a.to(dtype), b.to(dtype), c.float()])
-    d = torch.frombuffer(bytearray(out), dtype=torch.float32).reshape(16, 8)
-    assert torch.equal(d, (a @ b + c).float())
+    return torch.frombuffer(bytearray(out), dtype=torch.float32).reshape(16, 8)
+
+
+@pytest.mark.parametrize("dtype_name", TENSOR_CORE_DTYPES)
+def test_mma_computes_a_times_b_plus_c_with_the_isa_fragment_layouts(tmp_path, dtype_name):
+    k = 8 if dtype_name == "tf32" else 16  # m16n8k8 for TF32, m16n8k16 for 16-bit
+    g = torch.Generator().manual_seed(1)
+    a, b, c = quarters(16, k, generator=g), quarters(k, 8, generator=g), quarters(16, 8, generator=g)
+    assert torch.equal(run_warp_mma(tmp_path, dtype_name, a, b, c), (a @ b + c).float())
+
+
+def tf32_round(x):
+    """float32 values rounded to TF32 as cvt.rna.tf32.f32 does: to nearest, ties away from zero."""
+    bits = x.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # as unsigned
+    rounded = (bits + 0x1000) & 0xFFFFE000  # finite inputs only: no carry into infinity here
+    return (rounded - ((rounded >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+def test_tf32_inputs_are_rounded_to_nearest_ties_away(tmp_path):
+    # Values with low mantissa bits set, ties among them: the product must use the rounded inputs.
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 8, generator=g), torch.randn(8, 8, generator=g)
+    a[0, :4] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 1 + 2**-12])  # ties, and one below
+    c = torch.zeros(16, 8)
+    expected = torch.zeros(16, 8)
+    for k in range(8):  # in k order, each product exact in float32
+        expected = expected + tf32_round(a[:, k:k + 1]) * tf32_round(b[k:k + 1, :])
+    assert torch.equal(tf32_round(a[0, :4]), torch.tensor([1 + 2**-10, 1 + 4 * 2**-11, -(1 + 2**-10), 1.0]))
+    assert torch.equal(run_warp_mma(tmp_path, "tf32", a, b, c), expected)
 
 
 def halves(words):
@@ -423,6 +453,9 @@ LONG_REDUCTIONS = {"linear": (3, 5, REDUCTION), "linear_relu": (3, 5, REDUCTION)
 # 1 - 2n exp(-LAMBDA^2 / 2); for LAMBDA = 8 and n = 3001 that is 1 - 8e-11. The worst-case
 # bound n * u is 55 times looser here, loose enough to let a float16 accumulator pass.
 LAMBDA = 8.0
+
+
+TF32_UNIT_ROUNDOFF = 2.0**-11  # 10 stored mantissa bits
 
 
 def unit_roundoff(dtype):
@@ -494,6 +527,8 @@ def test_long_reductions_stay_within_the_accumulators_error_bound(tmp_path, op, 
     output, exact, magnitude, (a, _, bias) = run_random_case(tmp_path, op, dtype_name)
     terms = a.shape[1] + (bias is not None)
     factor = LAMBDA * math.sqrt(terms) * unit_roundoff(accumulator_dtype(dtype))
+    if dtype_name == "tf32" and op != "backward_bias":  # inputs rounded to TF32: each product off by <= 2u + u^2
+        factor += LAMBDA * math.sqrt(terms) * (2 * TF32_UNIT_ROUNDOFF + TF32_UNIT_ROUNDOFF**2)
     stored = unit_roundoff(dtype) * exact.abs()  # the one rounding to the output dtype
     error = (output.double() - exact).abs()
     assert (error <= factor * magnitude + stored).all(), (
@@ -523,14 +558,16 @@ def float32_lane_sum(dy, lanes):
     return total
 
 
-@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype_name", TENSOR_CORE_DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_16_bit_results_are_float32_sums_rounded_once_to_nearest_even(tmp_path, op, dtype_name):
+def test_tensor_core_results_are_float32_sums_rounded_once_to_nearest_even(tmp_path, op, dtype_name):
+    # In the emulation's mma order (k by k, see ptx_emu.h); TF32 inputs rounded first, as cvt.rna does.
     output, _, _, (a, b, bias) = run_random_case(tmp_path, op, dtype_name)
     if op == "backward_bias":
         expected = float32_lane_sum(b, kernel_constants()["sum_row_lanes"])
     else:
-        expected = float32_sequential_sum(a, b, bias)
+        rounded = tf32_round if dtype_name == "tf32" else (lambda x: x)
+        expected = float32_sequential_sum(rounded(a), rounded(b), bias)
         if op == "linear_relu":
             expected = torch.relu(expected)
     assert torch.equal(output, expected.to(DTYPES[dtype_name]))  # .to rounds to nearest even
@@ -547,11 +584,11 @@ def test_the_awkward_shapes_cross_every_tile_edge_of_the_kernels():
     c = kernel_constants()
     ms, ns, ks = (set(dims) for dims in zip(*SHAPES, strict=True))
     edges = [(c["block_m"], ms), (c["block_n"], ns), (c["block_k"], ks), (c["tc_block_m"], ms), (c["tc_block_n"], ns),
-             (c["tc_block_k"], ks), (c["tc_warp_m"], ms), (c["tc_warp_n"], ns)]
+             (c["tc_block_k"], ks), (c["tc_block_k_tf32"], ks), (c["tc_warp_m"], ms), (c["tc_warp_n"], ns)]
     for size, dims in edges:
         assert {size - 1, size, size + 1} <= dims
     stages_k = c["tc_stages"] * c["tc_block_k"]
     assert stages_k in ks and any(k > stages_k + c["tc_block_k"] for k in ks)  # the pipeline wraps around
     for shape in SANITIZER_SHAPES:  # and the sanitizers' shapes cross the blocks, K tiles and warp tiles
         assert shape[0] > c["block_m"] or shape[0] % c["tc_warp_m"] != 0
-    assert REDUCTION % c["block_k"] != 0 and REDUCTION % c["tc_block_k"] != 0  # a partial last K tile
+    assert all(REDUCTION % c[name] for name in ("block_k", "tc_block_k", "tc_block_k_tf32"))  # a partial last K tile

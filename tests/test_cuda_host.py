@@ -106,3 +106,43 @@ def test_autocast_runs_the_op_in_the_autocast_dtype_and_leaves_float64_alone(ops
     expected = F.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(y, (expected.relu() if relu else expected).bfloat16(), rtol=0, atol=0)
     assert y64.dtype == torch.float64
+
+
+@pytest.fixture
+def allow_tf32():
+    """torch.backends.cuda.matmul.allow_tf32 set for one test (a global flag, CPU builds included)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def tf32_products_summed(x, w):
+    """x · wᵀ from inputs rounded to TF32 (to nearest, ties away), in float32, k by k."""
+    def rounded(t):
+        bits = t.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+        r = (bits + 0x1000) & 0xFFFFE000
+        return (r - ((r >> 31) << 32)).to(torch.int32).view(torch.float32)
+    xr, wr = rounded(x), rounded(w)
+    total = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(x.shape[1]):
+        total = total + xr[:, k:k + 1] * wr[:, k].unsqueeze(0)
+    return total
+
+
+def test_float32_follows_torch_allow_tf32(ops, allow_tf32):
+    # Random values have bits below TF32's 10-bit mantissa: with TF32 allowed the product must
+    # be that of the rounded inputs (the tensor-core kernel), and exact float32 again without.
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(33, 40, generator=g), torch.randn(17, 40, generator=g)
+    assert torch.equal(ops.linear(x, w, None), tf32_products_summed(x, w))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    full = ops.linear(x, w, None)
+    torch.testing.assert_close(full, (x.double() @ w.double().t()).float(), rtol=1e-6, atol=1e-5)
+    assert (full - tf32_products_summed(x, w)).abs().max() > 1e-4  # the two paths really differ here
+
+
+def test_float64_never_takes_tf32(ops, allow_tf32):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 20, generator=g, dtype=torch.float64), torch.randn(7, 20, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(ops.linear(x, w, None), x @ w.t(), rtol=1e-14, atol=1e-13)

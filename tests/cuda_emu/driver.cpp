@@ -2,7 +2,7 @@
 // Driven by tests/test_cuda_emulation.py, which writes the operands as raw files,
 // runs this program, and compares its output file with PyTorch.
 //
-//   driver OP DTYPE OUT_FILE OPERAND...
+//   driver OP DTYPE OUT_FILE OPERAND...     (DTYPE tf32: float32 with TF32 allowed)
 //   OPERAND = FILE,OFFSET,ROWS,COLS,ROW_STRIDE,COL_STRIDE   (elements; the matrix
 //             starts OFFSET elements into FILE, so OFFSET 1 gives a misaligned pointer)
 //
@@ -94,15 +94,17 @@ struct EmulatedDevice {
   }
 };
 
+bool g_allow_tf32 = false;  // DTYPE tf32: float32 data, TF32 allowed
+
 template <typename T>
 void run_gemm(const ext::cuda::GemmParams<T>& params) {
   if (params.a.outer_size == 0 || params.b.outer_size == 0) return;
-  if constexpr (ext::cuda::kOnTensorCores<T>) {
+  if (ext::cuda::on_tensor_cores<T>(g_allow_tf32)) {
     std::printf("tensor_cores chunk_loads a=%d b=%d\n", int(params.a.chunk_loads), int(params.b.chunk_loads));
   } else {
     std::printf("wide_loads a=%d b=%d\n", int(params.a.wide_loads), int(params.b.wide_loads));
   }
-  ext::cuda::launch_gemm_kernel<EmulatedDevice>(params);
+  ext::cuda::launch_gemm_kernel<EmulatedDevice>(params, g_allow_tf32);
 }
 
 template <typename T>
@@ -171,9 +173,10 @@ std::vector<T> read_elements(const std::string& path, size_t count) {
 
 template <typename T>
 void run_warp_mma(const std::string& out_path, const std::vector<std::string>& files) {
-  if (files.size() != 3) fail("warp_mma takes the files A (16 x 16), B (16 x 8) and C (16 x 8, float32)");
-  const auto a = read_elements<T>(files[0], 16 * 16);
-  const auto b = read_elements<T>(files[1], 16 * 8);
+  constexpr size_t K = std::is_same_v<T, float> ? 8 : 16;
+  if (files.size() != 3) fail("warp_mma takes the files A (16 x K), B (K x 8) and C (16 x 8, float32)");
+  const auto a = read_elements<T>(files[0], 16 * K);
+  const auto b = read_elements<T>(files[1], K * 8);
   const auto c = read_elements<float>(files[2], 16 * 8);
   std::vector<float> d(16 * 8);
   emu::launch(dim3(1), dim3(32), 0, warp_tests::mma_tile<T>, a.data(), b.data(), c.data(), d.data());
@@ -185,7 +188,8 @@ void run_warp_test(std::string_view op, std::string_view dtype, const std::strin
   if (op == "warp_mma") {
     if (dtype == "float16") return run_warp_mma<__half>(out_path, files);
     if (dtype == "bfloat16") return run_warp_mma<__nv_bfloat16>(out_path, files);
-    fail("warp_mma is for float16 and bfloat16");
+    if (dtype == "tf32") return run_warp_mma<float>(out_path, files);
+    fail("warp_mma is for float16, bfloat16 and tf32");
   }
   if (op == "warp_ldmatrix" || op == "warp_ldmatrix_trans") {
     if (files.size() != 1) fail(std::string(op) + " takes one file: 4 x 8 x 8 16-bit values");
@@ -226,10 +230,10 @@ int main(int argc, char** argv) {
     namespace k = ext::cuda;
     std::printf("threads=%d\nblock_m=%d\nblock_n=%d\nblock_k=%d\nrun=%d\nsum_cols=%d\nsum_row_lanes=%d\n",
                 k::kThreads, k::kBlockM, k::kBlockN, k::kBlockK, k::kRun, k::kSumCols, k::kSumRowLanes);
-    std::printf("tc_block_m=%d\ntc_block_n=%d\ntc_block_k=%d\ntc_stages=%d\ntc_warp_m=%d\ntc_warp_n=%d\n"
-                "tc_chunk=%d\n",
-                k::tc::kBlockM, k::tc::kBlockN, k::tc::kBlockK, k::tc::kStages, k::tc::kWarpM, k::tc::kWarpN,
-                k::tc::kChunk);
+    std::printf("tc_block_m=%d\ntc_block_n=%d\ntc_block_k=%d\ntc_block_k_tf32=%d\ntc_stages=%d\ntc_warp_m=%d\n"
+                "tc_warp_n=%d\n",
+                k::tc::kBlockM, k::tc::kBlockN, k::tc::kBlockK<__half>, k::tc::kBlockK<float>, k::tc::kStages,
+                k::tc::kWarpM, k::tc::kWarpN);
     return 0;
   }
   if (op.starts_with("warp_")) {
@@ -247,7 +251,8 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (dtype == "float32") {
+  if (dtype == "float32" || dtype == "tf32") {
+    g_allow_tf32 = dtype == "tf32";
     run_op<float>(op, out_path, specs);
   } else if (dtype == "float64") {
     run_op<double>(op, out_path, specs);

@@ -1,11 +1,13 @@
 // The warp-level instructions of ext/csrc/cuda/ptx.cuh, and the warp shuffles, emulated on
 // the CPU from the PTX ISA's definitions (included by cuda_emu.h; see there for the model).
 //
-// - mma.sync m16n8k16: the lanes' fragments are gathered into A (16 x 16), B (16 x 8) and
-//   C (16 x 8) by the ISA's fragment layouts, and D = C + A·B is computed with a float32
-//   accumulator in k order, d = c, then d += a_k * b_k for k = 0 .. 15 (16-bit products are
-//   exact in float32). A tensor core rounds inside an mma differently; the exact-input tests do
-//   not depend on it, and the precision tests hold the GPU to an error bound instead.
+// - mma.sync m16n8k16 (float16, bfloat16) and m16n8k8 (.tf32): the lanes' fragments are
+//   gathered into A, B and C by the ISA's fragment layouts, and D = C + A·B is computed with a
+//   float32 accumulator in k order, d = c, then d += a_k * b_k (16-bit and TF32 products are
+//   exact in float32). A .tf32 operand's low 13 mantissa bits are ignored, as the ISA says. A
+//   tensor core rounds inside an mma differently; the exact-input tests do not depend on it,
+//   and the precision tests hold the GPU to an error bound instead.
+// - cvt.rna.tf32.f32: round to nearest, ties away from zero, into the top 19 bits.
 // - ldmatrix .x4 (.trans): each lane reads the 16-byte row at its own address (which must be
 //   16-byte aligned and inside the block's shared memory), then the rows are dealt out as the
 //   ISA says: lane l gets, of each matrix, elements 2(l%4) and 2(l%4)+1 of row l/4 (of
@@ -13,8 +15,8 @@
 // - cp.async: a copy is only recorded when issued; it happens when a cp.async.wait_group
 //   that covers its group runs, in the issuing thread: as late as the rules allow, so a
 //   missing or too-weak wait reads the shared memory's poison, and a missing barrier after
-//   the wait is a data race ThreadSanitizer reports. Addresses must be 16-byte aligned, the
-//   destination inside shared memory.
+//   the wait is a data race ThreadSanitizer reports. Addresses must be aligned to the copy's
+//   size (16 or 4 bytes), the destination inside shared memory.
 // - Shuffles: full-warp masks only (0xffffffff), as every kernel here uses.
 #pragma once
 
@@ -47,6 +49,7 @@ inline void check_shared_row(const char* instruction, const void* address, size_
 struct AsyncCopy {
   void* dst;
   const void* src;
+  int size;  // bytes written: src_bytes copied, the rest zero-filled
   int src_bytes;
 };
 
@@ -71,42 +74,62 @@ inline float element_to_float(uint16_t bits) {
   }
 }
 
-// D += A·B for one m16n8k16 tile; the layouts are the ISA's for .row.col with float32 C/D.
+inline uint32_t float_bits(float x) { return std::bit_cast<uint32_t>(x); }
+
+inline uint32_t to_tf32(uint32_t bits) {
+  if ((bits & 0x7f800000u) == 0x7f800000u) return bits;  // infinities and NaNs as they are
+  return (bits + 0x1000u) & ~0x1fffu;  // half of the dropped 13 bits' unit: ties go away from zero
+}
+
+// D += A·B for one tile, the layouts the ISA's for .row.col with float32 C/D:
+//   A (16 x K): register r holds row group + 8 (r % 2), columns from t + (K/2)(r / 2), where t
+//     is 2 threadID_in_group (two 16-bit values, low half first) or threadID_in_group (TF32);
+//   B (K x 8): register r holds column group, rows from t + (K/2) r;
+//   C, D: element i is row group + 8 (i / 2), column 2 threadID_in_group + i % 2.
 template <typename T>
-inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>, "16-bit inputs only");
+inline void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, float>);
+  constexpr bool kTf32 = std::is_same_v<T, float>;
+  constexpr int K = kTf32 ? 8 : 16;
+  constexpr int kPerRegister = kTf32 ? 1 : 2;
   emu::Warp::Words mine{};
   for (int i = 0; i < 4; ++i) mine[i] = a[i];
   mine[4] = b[0];
   mine[5] = b[1];
   for (int i = 0; i < 4; ++i) mine[6 + i] = std::bit_cast<uint32_t>(d[i]);
+  const auto value = [](uint32_t word, int half) {
+    if constexpr (kTf32) {
+      return std::bit_cast<float>(word & ~0x1fffu);  // the low 13 bits are ignored
+    } else {
+      return element_to_float<T>(half == 0 ? emu::low_half(word) : emu::high_half(word));
+    }
+  };
   const auto result = emu::this_warp().exchange(
-      "mma.sync.m16n8k16", emu::this_lane(), mine, [](const emu::Warp::Lanes& in, emu::Warp::Lanes& out) {
-        float A[16][16], B[16][8], C[16][8];
+      kTf32 ? "mma.sync.m16n8k8.tf32" : "mma.sync.m16n8k16", emu::this_lane(), mine,
+      [&](const emu::Warp::Lanes& in, emu::Warp::Lanes& out) {
+        float A[16][K], B[K][8], C[16][8];
         for (int lane = 0; lane < 32; ++lane) {
           const int group = lane >> 2, in_group = lane % 4;
-          for (int i = 0; i < 8; ++i) {  // a_i: register i / 2, half i % 2
-            const uint32_t word = in[lane][i / 2];
-            const uint16_t bits = i % 2 == 0 ? emu::low_half(word) : emu::high_half(word);
-            const int row = group + ((i / 2) % 2 == 1 ? 8 : 0);  // a0 a1 a4 a5: groupID; a2 a3 a6 a7: groupID + 8
-            const int col = in_group * 2 + (i & 1) + (i >= 4 ? 8 : 0);
-            A[row][col] = element_to_float<T>(bits);
+          for (int r = 0; r < 4; ++r) {
+            for (int h = 0; h < kPerRegister; ++h) {
+              A[group + 8 * (r % 2)][kPerRegister * in_group + h + (K / 2) * (r / 2)] = value(in[lane][r], h);
+            }
           }
-          for (int i = 0; i < 4; ++i) {  // b_i: register 4 + i / 2
-            const uint32_t word = in[lane][4 + i / 2];
-            const uint16_t bits = i % 2 == 0 ? emu::low_half(word) : emu::high_half(word);
-            B[in_group * 2 + (i & 1) + (i >= 2 ? 8 : 0)][group] = element_to_float<T>(bits);
+          for (int r = 0; r < 2; ++r) {
+            for (int h = 0; h < kPerRegister; ++h) {
+              B[kPerRegister * in_group + h + (K / 2) * r][group] = value(in[lane][4 + r], h);
+            }
           }
           for (int i = 0; i < 4; ++i) {
-            C[group + (i >= 2 ? 8 : 0)][in_group * 2 + (i & 1)] = std::bit_cast<float>(in[lane][6 + i]);
+            C[group + 8 * (i / 2)][2 * in_group + i % 2] = std::bit_cast<float>(in[lane][6 + i]);
           }
         }
         for (int lane = 0; lane < 32; ++lane) {
           const int group = lane >> 2, in_group = lane % 4;
           for (int i = 0; i < 4; ++i) {
-            const int row = group + (i >= 2 ? 8 : 0), col = in_group * 2 + (i & 1);
+            const int row = group + 8 * (i / 2), col = 2 * in_group + i % 2;
             float sum = C[row][col];
-            for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+            for (int k = 0; k < K; ++k) sum += A[row][k] * B[k][col];
             out[lane][i] = std::bit_cast<uint32_t>(sum);
           }
         }
@@ -142,12 +165,19 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
   ldmatrix_x4_impl("ldmatrix.x4.trans", true, r, row);
 }
 
-inline void cp_async_16(void* dst, const void* src, int src_bytes) {
-  emu::check_shared_row("cp.async (destination)", dst, 16);
-  if (reinterpret_cast<uintptr_t>(src) % 16 != 0) emu::fail("cp.async: a source address is not 16-byte aligned");
-  if (src_bytes < 0 || src_bytes > 16) emu::fail("cp.async: src-size must be 0 to 16 bytes");
-  emu::uncommitted_copies.push_back({dst, src, src_bytes});
+inline void cp_async(int size, void* dst, const void* src, int src_bytes) {
+  const std::string name = "cp.async (" + std::to_string(size) + " bytes)";
+  if (reinterpret_cast<uintptr_t>(dst) % size != 0) emu::fail(name + ": a destination address is not " + std::to_string(size) + "-byte aligned");
+  if (!emu::running_block->in_shared_memory(dst, size_t(size))) emu::fail(name + ": a destination is outside the block's shared memory");
+  if (reinterpret_cast<uintptr_t>(src) % size != 0) {
+    emu::fail("cp.async: a source address is not " + std::to_string(size) + "-byte aligned");
+  }
+  if (src_bytes < 0 || src_bytes > size) emu::fail(name + ": src-size must be 0 to " + std::to_string(size) + " bytes");
+  emu::uncommitted_copies.push_back({dst, src, size, src_bytes});
 }
+
+inline void cp_async_16(void* dst, const void* src, int src_bytes) { cp_async(16, dst, src, src_bytes); }
+inline void cp_async_4(void* dst, const void* src, int src_bytes) { cp_async(4, dst, src, src_bytes); }
 
 inline void cp_async_commit() {
   emu::copy_groups_in_flight.push_back(std::move(emu::uncommitted_copies));
@@ -159,7 +189,7 @@ inline void cp_async_wait() {
   while (emu::copy_groups_in_flight.size() > size_t(kInFlight)) {
     for (const emu::AsyncCopy& copy : emu::copy_groups_in_flight.front()) {
       std::memcpy(copy.dst, copy.src, size_t(copy.src_bytes));
-      std::memset(static_cast<unsigned char*>(copy.dst) + copy.src_bytes, 0, size_t(16 - copy.src_bytes));
+      std::memset(static_cast<unsigned char*>(copy.dst) + copy.src_bytes, 0, size_t(copy.size - copy.src_bytes));
     }
     emu::copy_groups_in_flight.pop_front();
   }

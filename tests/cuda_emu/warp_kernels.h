@@ -13,25 +13,36 @@ uint32_t pack(T low, T high) {
   return uint32_t(low.bits) | (uint32_t(high.bits) << 16);
 }
 
-// D (16 x 8) = A (16 x 16) · B (16 x 8) + C, all row-major. Fragments, from the ISA:
-// a register r of A holds row groupID (+ 8 if r is odd), columns 2 threadID_in_group (+ 8 if
-// r >= 2) and the next; B's register r holds rows 2 threadID_in_group (+ 8 r) and the next of
-// column groupID; C and D's element i is row groupID (+ 8 if i >= 2), column 2 threadID_in_group + i % 2.
+// D (16 x 8) = A (16 x K) · B (K x 8) + C, all row-major; K = 16 for 16-bit T, 8 for float
+// (TF32). Fragments, from the ISA: with t = threadID_in_group, register r of A holds row
+// groupID (+ 8 if r is odd) at column 2t and 2t + 1 (16-bit, low half first) or t (TF32), + K/2
+// if r >= 2; B's register r holds column groupID at row 2t and 2t + 1 (or t), + K/2 r; C and
+// D's element i is row groupID (+ 8 if i >= 2), column 2t + i % 2.
 template <typename T>
 __global__ void mma_tile(const T* a, const T* b, const float* c, float* d) {
+  constexpr int K = std::is_same_v<T, float> ? 8 : 16;
   const int lane = int(threadIdx.x), group = lane / 4, in_group = lane % 4;
   uint32_t ra[4], rb[2];
   float acc[4];
   for (int r = 0; r < 4; ++r) {
-    const int row = group + 8 * (r % 2), col = 2 * in_group + 8 * (r / 2);
-    ra[r] = pack(a[row * 16 + col], a[row * 16 + col + 1]);
+    const int row = group + 8 * (r % 2);
+    if constexpr (K == 8) {
+      ra[r] = ext::cuda::ptx::to_tf32(std::bit_cast<uint32_t>(a[row * K + in_group + 4 * (r / 2)]));
+    } else {
+      const int col = 2 * in_group + 8 * (r / 2);
+      ra[r] = pack(a[row * K + col], a[row * K + col + 1]);
+    }
   }
   for (int r = 0; r < 2; ++r) {
-    const int k = 2 * in_group + 8 * r;
-    rb[r] = pack(b[k * 8 + group], b[(k + 1) * 8 + group]);
+    if constexpr (K == 8) {
+      rb[r] = ext::cuda::ptx::to_tf32(std::bit_cast<uint32_t>(b[(in_group + 4 * r) * 8 + group]));
+    } else {
+      const int k = 2 * in_group + 8 * r;
+      rb[r] = pack(b[k * 8 + group], b[(k + 1) * 8 + group]);
+    }
   }
   for (int i = 0; i < 4; ++i) acc[i] = c[(group + 8 * (i / 2)) * 8 + 2 * in_group + i % 2];
-  ext::cuda::ptx::mma_m16n8k16<T>(acc, ra, rb);
+  ext::cuda::ptx::mma<T>(acc, ra, rb);
   for (int i = 0; i < 4; ++i) d[(group + 8 * (i / 2)) * 8 + 2 * in_group + i % 2] = acc[i];
 }
 

@@ -35,47 +35,64 @@ namespace ext::cuda {
 
 namespace tc {
 
+// Tile sizes in elements; per stage, a tile row is 64 bytes whatever the element type, so the
+// same shared memory, copies and swizzle serve 16-bit (K 32 a stage) and float32 as TF32 (K 16).
 constexpr int kBlockM = 128;  // a block's tile of C, as in gemm.cuh: 128 x 128
 constexpr int kBlockN = 128;
-constexpr int kBlockK = 32;   // K per stage: a 64-byte row of each operand per outer index
-constexpr int kStages = 3;    // tiles in shared memory: one multiplied while two are copied
-constexpr int kWarpsN = 4;    // 8 warps, 2 along M and 4 along N
-constexpr int kWarpM = 64;    // each warp's tile of C
+constexpr int kRowBytes = 64;  // of each operand's tile row per stage
+constexpr int kStages = 3;     // tiles in shared memory: one multiplied while two are copied
+constexpr int kWarpsN = 4;     // 8 warps, 2 along M and 4 along N
+constexpr int kWarpM = 64;     // each warp's tile of C
 constexpr int kWarpN = 32;
-constexpr int kMmaM = 16;     // mma.sync.m16n8k16
+constexpr int kMmaM = 16;      // mma.sync.m16n8k16 (16-bit) and m16n8k8 (TF32)
 constexpr int kMmaN = 8;
-constexpr int kMmaK = 16;
 constexpr int kTilesM = kWarpM / kMmaM;  // 4 x 4 mma tiles a warp
 constexpr int kTilesN = kWarpN / kMmaN;
-constexpr int kChunk = 8;  // 16-bit elements in one 16-byte copy (and in one ldmatrix row)
-constexpr int kTileElements = kBlockM * kBlockK;
-constexpr int kChunksPerThread = kTileElements / kChunk / kThreads;  // 2 per operand per stage
 constexpr int kMinBlocksPerSm = 2;
+
+template <typename T>
+constexpr int kChunk = 16 / int(sizeof(T));  // elements in one 16-byte copy (and one ldmatrix row)
+template <typename T>
+constexpr int kBlockK = kRowBytes / int(sizeof(T));  // 32 (16-bit) or 16 (TF32)
+template <typename T>
+constexpr int kMmaK = 2 * kChunk<T>;  // 16 or 8: an A fragment is two chunks deep
+template <typename T>
+constexpr int kTileElements = kBlockM * kBlockK<T>;
+template <typename T>
+constexpr int kChunksPerThread = kTileElements<T> / kChunk<T> / kThreads;  // 2 per operand per stage
 
 static_assert(kBlockM == kBlockN, "one loader serves A and B");
 static_assert((kBlockM / kWarpM) * (kBlockN / kWarpN) * 32 == kThreads, "8 warps cover the block's tile");
 static_assert(kTilesN % 2 == 0, "B fragments come two n-tiles per ldmatrix.x4");
-static_assert(kChunksPerThread * kChunk * kThreads == kTileElements, "every thread copies whole chunks");
-static_assert(kBlockK / kChunk == 4 && kBlockM / kChunk == 16, "swizzled_offset's XOR masks assume these rows");
+static_assert(kRowBytes / 16 == 4, "swizzled_offset's K-major XOR mask assumes 4 chunks a row");
 
 template <typename T>
 struct Shared {
-  T a[kStages][kTileElements];
-  T b[kStages][kTileElements];
+  T a[kStages][kTileElements<T>];
+  T b[kStages][kTileElements<T>];
 };
 
-// Where element (outer, k) of a tile lives, for chunk-aligned coordinates along the row.
-// K-major rows are 64 bytes, two to a 128-byte bank line: chunk c of row r goes to c ^ ((r/2) % 4),
-// so 8 consecutive rows cover the line's 8 bank groups. Outer-major rows are 256 bytes: chunk c of
-// row r goes to c ^ (r % 8).
+// Where element (outer, k) of a tile lives. K-major rows are 64 bytes, two to a 128-byte bank
+// line: chunk c of row r goes to c ^ ((r / 2) % 4), so the 8 consecutive rows one ldmatrix reads
+// cover the line's 8 16-byte bank groups. Outer-major rows (16-bit only) are 256 bytes: chunk c
+// of row r goes to c ^ (r % 8), for the 8 rows one ldmatrix.trans reads.
+template <typename T>
 __device__ __forceinline__ int swizzled_offset(bool k_major, int outer, int k) {
-  if (k_major) return outer * kBlockK + ((k / kChunk) ^ ((outer >> 1) & 3)) * kChunk + k % kChunk;
-  return k * kBlockM + ((outer / kChunk) ^ (k & 7)) * kChunk + outer % kChunk;
+  constexpr int chunk = kChunk<T>;
+  if (k_major) return outer * kBlockK<T> + ((k / chunk) ^ ((outer >> 1) & 3)) * chunk + k % chunk;
+  return k * kBlockM + ((outer / chunk) ^ (k & 7)) * chunk + outer % chunk;
 }
+
+// A tile's orientation in shared memory: as in global memory for 16-bit types (ldmatrix.trans
+// reads an outer-major one), always K-major for float, whose outer-major operands are
+// transposed on the way in by 4-byte copies: ldmatrix cannot transpose 32-bit elements, and
+// reading fragments element by element spilled registers.
+template <typename T, bool global_k_major>
+constexpr bool kSharedKMajor = global_k_major || sizeof(T) == 4;
 
 template <typename T>
 struct alignas(16) Chunk {
-  T v[kChunk];
+  T v[kChunk<T>];
 };
 
 // Fault injection, for the emulation tests only (tests/cuda_emu): each switch breaks one rule.
@@ -90,75 +107,111 @@ constexpr int kGroupsLeftInFlight = kStages - 2;
 #define EXT_STAGE_BARRIER() __syncthreads()
 #endif
 
-// This thread's chunks of one operand's K tile into shared memory, zero past every edge.
-template <typename T>
+// This thread's part of one operand's K tile, copied into shared memory, zero past every edge:
+// 16-byte chunks along the contiguous dimension, or (float, outer-major in global memory) single
+// elements, consecutive threads reading consecutive addresses, stored K-major. Operands that are
+// not contiguous and 16-byte aligned (TileOperand::chunk_loads) go through registers instead.
+template <typename T, bool k_major>
 __device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t outer0, int64_t k0, int64_t K, T* tile) {
-  const bool k_major = op.runs_along_k;
+  if constexpr (!k_major && sizeof(T) == 4) {  // float: element by element, transposed
+    // Thread t copies column t % 128 at 8 consecutive k, from k = 8 (t / 128): one pointer walked
+    // down the column, into two shared chunks (64-bit offsets per element, or a swizzled chunk per
+    // element, were hoisted out of the K loop and spilled registers).
+    constexpr int kRows = kBlockK<T> * kBlockM / kThreads;
+    const int outer = int(threadIdx.x) % kBlockM;
+    const int first_k = int(threadIdx.x) / kBlockM * kRows;
+    const bool outer_inside = outer0 + outer < op.outer_size;
+    const T* src = op.ptr + (outer_inside ? (outer0 + outer) * op.outer_stride + (k0 + first_k) * op.k_stride : 0);
 #pragma unroll
-  for (int j = 0; j < kChunksPerThread; ++j) {
-    const int chunk = int(threadIdx.x) + j * kThreads;
-    const int outer = k_major ? chunk / (kBlockK / kChunk) : (chunk % (kBlockM / kChunk)) * kChunk;
-    const int k = k_major ? (chunk % (kBlockK / kChunk)) * kChunk : chunk / (kBlockM / kChunk);
-    const int64_t o = outer0 + outer;
-    const int64_t kk = k0 + k;
-    const bool line_inside = k_major ? o < op.outer_size : kk < K;  // the coordinate across the chunk
-    const int64_t run_left = k_major ? K - kk : op.outer_size - o;  // and how far the chunk's run reaches
-    const int valid = !line_inside || run_left <= 0 ? 0 : run_left >= kChunk ? kChunk : int(run_left);
-    T* dst = tile + swizzled_offset(k_major, outer, k);
-    const T* src = valid > 0 ? op.ptr + o * op.outer_stride + kk * op.k_stride : op.ptr;
+    for (int k = first_k; k < first_k + kRows; ++k, src += op.k_stride) {
+      const bool inside = outer_inside && k0 + k < K;
+      T* dst = tile + swizzled_offset<T>(true, outer, k);
+      if (op.chunk_loads) {
+        ptx::cp_async_4(dst, inside ? src : op.ptr, inside ? 4 : 0);
+      } else {
+        *dst = inside ? *src : 0.0f;
+      }
+    }
+    return;
+  }
+  // 16-byte chunks: a tile row (an outer index when K-major, a k otherwise) is chunks_per_row
+  // chunks; thread t copies chunk t % chunks_per_row of rows t / chunks_per_row, + row_step, ...
+  constexpr int chunk_size = kChunk<T>;
+  constexpr int chunks_per_row = (k_major ? kBlockK<T> : kBlockM) / chunk_size;
+  constexpr int row_step = kThreads / chunks_per_row;
+  const int first_row = int(threadIdx.x) / chunks_per_row;
+  const int along = (int(threadIdx.x) % chunks_per_row) * chunk_size;  // the chunk's first element in its row
+  const int64_t row_stride = k_major ? op.outer_stride : op.k_stride;
+  const int64_t along_stride = k_major ? op.k_stride : op.outer_stride;
+  const int64_t rows_left = k_major ? op.outer_size - outer0 : K - k0;
+  const int64_t run_left = (k_major ? K - k0 : op.outer_size - outer0) - along;
+  const int run_valid = run_left <= 0 ? 0 : run_left >= chunk_size ? chunk_size : int(run_left);
+  const T* src = op.ptr + (outer0 + (k_major ? first_row : along)) * op.outer_stride +
+                 (k0 + (k_major ? along : first_row)) * op.k_stride;
+#pragma unroll
+  for (int row = first_row; row < first_row + kChunksPerThread<T> * row_step; row += row_step, src += row_step * row_stride) {
+    const int valid = row < rows_left ? run_valid : 0;
+    T* dst = tile + (k_major ? swizzled_offset<T>(true, row, along) : swizzled_offset<T>(false, along, row));
     if (op.chunk_loads) {
-      ptx::cp_async_16(dst, src, valid * int(sizeof(T)));  // zero-fills the bytes past `valid`
+      ptx::cp_async_16(dst, valid > 0 ? src : op.ptr, valid * int(sizeof(T)));  // zero-fills past `valid`
     } else {
-      const int64_t step = k_major ? op.k_stride : op.outer_stride;
       Chunk<T> values;
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) values.v[i] = i < valid ? src[i * step] : from_acc<T>(0.0f);
+      for (int i = 0; i < chunk_size; ++i) values.v[i] = i < valid ? src[i * along_stride] : from_acc<T>(0.0f);
       *reinterpret_cast<Chunk<T>*>(dst) = values;
     }
   }
 }
 
-// The A fragments (16 x 16, row-major) of the warp's kTilesM tiles at rows m0.., k0..
-// ldmatrix.x4's four 8 x 8 matrices are, in order, rows 0-7 / 8-15 at k 0-7, then at k 8-15:
-// exactly a0a1, a2a3, a4a5, a6a7. Lane l gives the address of row l % 8 of matrix l / 8.
-template <typename T>
-__device__ __forceinline__ void load_a_fragments(const T* tile, bool k_major, int m0, int k0,
-                                                 uint32_t (&a)[kTilesM][4]) {
-  const int lane = int(threadIdx.x) % 32;
+// A float32 register rounded to TF32 (to nearest, ties away, as cuBLAS does); 16-bit pairs as they are.
+template <typename T, int N>
+__device__ __forceinline__ void round_for_mma(uint32_t (&r)[N]) {
+  if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
-  for (int i = 0; i < kTilesM; ++i) {
-    const int m = m0 + i * kMmaM + 8 * ((lane >> 3) & 1);
-    const int k = k0 + 8 * (lane >> 4);
-    if (k_major) {
-      ptx::ldmatrix_x4(a[i], tile + swizzled_offset(true, m + (lane & 7), k));
-    } else {  // stored [k][m]: each matrix's rows are k, so read it transposed
-      ptx::ldmatrix_x4_trans(a[i], tile + swizzled_offset(false, m, k + (lane & 7)));
-    }
-#if defined(EMU_BREAK_FRAGMENT)
-    const uint32_t swap = a[i][1];  // rows 8-15 and columns 8-15 exchanged
-    a[i][1] = a[i][2];
-    a[i][2] = swap;
-#endif
+    for (int i = 0; i < N; ++i) r[i] = ptx::to_tf32(r[i]);
   }
 }
 
-// The B fragments (16 x 8, column-major: Bᵀ's rows are n) of the warp's kTilesN tiles at
-// columns n0.., k0.., two tiles per ldmatrix.x4: its matrices are n 0-7 at k 0-7 and 8-15
-// (the first tile's b0b1, b2b3), then n 8-15 likewise.
-template <typename T>
-__device__ __forceinline__ void load_b_fragments(const T* tile, bool k_major, int n0, int k0,
-                                                 uint32_t (&b)[kTilesN][2]) {
+// The A fragment (16 x kMmaK, row-major) of the mma tile at rows m0.., k0.. ldmatrix.x4's four
+// 8-row matrices are, in order, rows 0-7 / 8-15 of the first chunk of k, then of the second:
+// the ISA's a0a1, a2a3, a4a5, a6a7 for 16-bit, and a0, a1, a2, a3 for TF32 (a row of 8 16-bit
+// values is 4 floats; lane l gets float l % 4 of row l / 4). Lane l gives the address of row
+// l % 8 of matrix l / 8. An outer-major (16-bit) tile is read with .trans.
+template <typename T, bool k_major>
+__device__ __forceinline__ void load_a_fragment(const T* tile, int m0, int k0, uint32_t (&a)[4]) {
+  const int lane = int(threadIdx.x) % 32;
+  const int m = m0 + 8 * ((lane >> 3) & 1);
+  const int k = k0 + kChunk<T> * (lane >> 4);
+  if constexpr (k_major) {
+    ptx::ldmatrix_x4(a, tile + swizzled_offset<T>(true, m + (lane & 7), k));
+  } else {  // stored [k][m] (16-bit only): each matrix's rows are k, so read it transposed
+    ptx::ldmatrix_x4_trans(a, tile + swizzled_offset<T>(false, m, k + (lane & 7)));
+  }
+  round_for_mma<T>(a);
+#if defined(EMU_BREAK_FRAGMENT)
+  const uint32_t swap = a[1];  // two fragment registers exchanged
+  a[1] = a[2];
+  a[2] = swap;
+#endif
+}
+
+// The B fragments (kMmaK x 8, column-major: Bᵀ's rows are n) of the warp's kTilesN tiles at
+// columns n0.., k0.., two tiles per ldmatrix.x4: its matrices are n 0-7 at the first and
+// second chunk of k (the first tile's two registers), then n 8-15 likewise.
+template <typename T, bool k_major>
+__device__ __forceinline__ void load_b_fragments(const T* tile, int n0, int k0, uint32_t (&b)[kTilesN][2]) {
   const int lane = int(threadIdx.x) % 32;
 #pragma unroll
   for (int j = 0; j < kTilesN; j += 2) {
     const int n = n0 + j * kMmaN + 8 * (lane >> 4);
-    const int k = k0 + 8 * ((lane >> 3) & 1);
+    const int k = k0 + kChunk<T> * ((lane >> 3) & 1);
     uint32_t r[4];
-    if (k_major) {
-      ptx::ldmatrix_x4(r, tile + swizzled_offset(true, n + (lane & 7), k));
+    if constexpr (k_major) {
+      ptx::ldmatrix_x4(r, tile + swizzled_offset<T>(true, n + (lane & 7), k));
     } else {
-      ptx::ldmatrix_x4_trans(r, tile + swizzled_offset(false, n, k + (lane & 7)));
+      ptx::ldmatrix_x4_trans(r, tile + swizzled_offset<T>(false, n, k + (lane & 7)));
     }
+    round_for_mma<T>(r);
     b[j][0] = r[0];
     b[j][1] = r[1];
     b[j + 1][0] = r[2];
@@ -166,12 +219,12 @@ __device__ __forceinline__ void load_b_fragments(const T* tile, bool k_major, in
   }
 }
 
-template <typename T>
+template <typename T, bool a_k_major, bool b_k_major>
 __device__ __forceinline__ void load_stage(const GemmParams<T>& p, Shared<T>& tiles, int64_t m0, int64_t n0,
                                            int64_t k_tile) {
   const int stage = int(k_tile % kStages);
-  load_tile(p.a, m0, k_tile * kBlockK, p.K, tiles.a[stage]);
-  load_tile(p.b, n0, k_tile * kBlockK, p.K, tiles.b[stage]);
+  load_tile<T, a_k_major>(p.a, m0, k_tile * kBlockK<T>, p.K, tiles.a[stage]);
+  load_tile<T, b_k_major>(p.b, n0, k_tile * kBlockK<T>, p.K, tiles.b[stage]);
 }
 
 template <typename T>
@@ -179,7 +232,10 @@ inline dim3 gemm_grid(const GemmParams<T>& p) {
   return dim3(unsigned((p.a.outer_size + kBlockM - 1) / kBlockM), unsigned((p.b.outer_size + kBlockN - 1) / kBlockN));
 }
 
-template <typename T>
+// T: __half or __nv_bfloat16, or float multiplied as TF32. a_k_major and b_k_major: each operand's
+// orientation in global memory (TileOperand::runs_along_k), fixed per instantiation so that each
+// carries only its own load path.
+template <typename T, bool a_k_major, bool b_k_major>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const GemmParams<T> p) {
   EXT_SHARED_MEMORY(shared);
   Shared<T>& tiles = shared_as<Shared<T>>(shared);
@@ -190,13 +246,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
   const int lane = int(threadIdx.x) % 32;
   const int warp_m0 = (warp / kWarpsN) * kWarpM;
   const int warp_n0 = (warp % kWarpsN) * kWarpN;
-  const int64_t k_tiles = (p.K + kBlockK - 1) / kBlockK;
+  const int64_t k_tiles = (p.K + kBlockK<T> - 1) / kBlockK<T>;
 
   // Prologue: the first kStages - 1 tiles in flight, one commit group each (empty past the end,
   // so the count of groups, which cp_async_wait relies on, is the same for every K).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage(p, tiles, m0, n0, s);
+    if (s < k_tiles) load_stage<T, a_k_major, b_k_major>(p, tiles, m0, n0, s);
     ptx::cp_async_commit();
   }
 
@@ -204,20 +260,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     ptx::cp_async_wait<kGroupsLeftInFlight>();  // this thread's copies of tile kt have landed
     EXT_STAGE_BARRIER();  // everyone's have, and every warp is done with tile kt - 1's stage
-    if (kt + kStages - 1 < k_tiles) load_stage(p, tiles, m0, n0, kt + kStages - 1);  // into that stage
+    if (kt + kStages - 1 < k_tiles) load_stage<T, a_k_major, b_k_major>(p, tiles, m0, n0, kt + kStages - 1);
     ptx::cp_async_commit();
 
     const int stage = int(kt % kStages);
 #pragma unroll
-    for (int k = 0; k < kBlockK; k += kMmaK) {
-      uint32_t a[kTilesM][4];
-      uint32_t b[kTilesN][2];
-      load_a_fragments(tiles.a[stage], p.a.runs_along_k, warp_m0, k, a);
-      load_b_fragments(tiles.b[stage], p.b.runs_along_k, warp_n0, k, b);
+    for (int k = 0; k < kBlockK<T>; k += kMmaK<T>) {
+      uint32_t b[kTilesN][2];  // the warp's B fragments, then one A fragment at a time: fewer live registers
+      load_b_fragments<T, kSharedKMajor<T, b_k_major>>(tiles.b[stage], warp_n0, k, b);
 #pragma unroll
       for (int i = 0; i < kTilesM; ++i) {
+        uint32_t a[4];
+        load_a_fragment<T, kSharedKMajor<T, a_k_major>>(tiles.a[stage], warp_m0 + i * kMmaM, k, a);
 #pragma unroll
-        for (int j = 0; j < kTilesN; ++j) ptx::mma_m16n8k16<T>(acc[i][j], a[i], b[j]);
+        for (int j = 0; j < kTilesN; ++j) ptx::mma<T>(acc[i][j], a, b[j]);
       }
     }
   }

@@ -16,6 +16,7 @@
 #include "gemm_launch.cuh"
 #include "sum_rows.cuh"
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -54,7 +55,7 @@ struct LinearHost {
   static void launch_gemm(const GemmParams<T>& params) {
     TORCH_CHECK(params.b.outer_size <= kMaxGemmN, "ext CUDA GEMM: an output with ", params.b.outer_size,
                 " columns exceeds the grid limit of ", kMaxGemmN);
-    launch_gemm_kernel<Device>(params);
+    launch_gemm_kernel<Device>(params, at::globalContext().allowTF32CuBLAS());  // exactly as torch's matmuls
   }
 
   // Y (M x N) = X (M x K) · Wᵀ + bias, optionally followed by ReLU in the same store.
