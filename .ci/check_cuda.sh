@@ -7,11 +7,13 @@
 # It fails on any register spill, on fewer than 2 blocks per SM for any kernel but float64's,
 # and on a float16/bfloat16 GEMM kernel without HMMA.
 #
-# Usage: bash .ci/check_cuda.sh    (VENV: the venv with torch, for its headers; default .venv)
+# Usage: bash .ci/check_cuda.sh    (PYTHON: an interpreter with torch, for its headers; default $VENV/bin/python,
+#                                  VENV defaulting to .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-$VENV/bin/python}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 ARCHS=(80 90)
 start_s=$SECONDS
@@ -24,7 +26,7 @@ for candidate in "$(command -v cuobjdump || true)" "$CUDA_HOME/bin/cuobjdump" \
   if [[ -n $candidate && -x $candidate ]]; then CUOBJDUMP=$candidate; break; fi
 done
 [[ -n $CUOBJDUMP ]] || { echo "check_cuda: cuobjdump not found (CUDA_HOME/bin, PATH, or triton in $VENV); install the CUDA toolkit's cuobjdump" >&2; exit 1; }
-TORCH_DIR=$("$VENV/bin/python" -c 'import importlib.util; print(importlib.util.find_spec("torch").submodule_search_locations[0])')
+TORCH_DIR=$("$PYTHON" -c 'import importlib.util; print(importlib.util.find_spec("torch").submodule_search_locations[0])')
 TORCH_INCLUDES=(-I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include")
 
 # The flags torch.utils.cpp_extension gives nvcc, plus the checks'.
@@ -53,7 +55,7 @@ for source in "${SOURCES[@]}"; do
 done
 
 status=0
-"$VENV/bin/python" - "$OUT" <<'PY' || status=1
+"$PYTHON" - "$OUT" <<'PY' || status=1
 import re, subprocess, sys
 from pathlib import Path
 

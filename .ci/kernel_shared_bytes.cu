@@ -18,5 +18,8 @@ int main() {
   std::printf("ext::cuda::sum_rows_kernel<double> %zu\n", kSumRowsSharedBytes<double>);
   std::printf("ext::cuda::sum_rows_kernel<__half> %zu\n", kSumRowsSharedBytes<__half>);
   std::printf("ext::cuda::sum_rows_kernel<__nv_bfloat16> %zu\n", kSumRowsSharedBytes<__nv_bfloat16>);
+  for (const char* type : {"float", "double", "__half", "__nv_bfloat16"}) {
+    std::printf("ext::cuda::split_k_reduce_kernel<%s> 0\n", type);  // no shared memory
+  }
   return 0;
 }

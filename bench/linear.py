@@ -20,6 +20,7 @@ Example:
     python -m bench.linear --products --threads 1 --shapes '128x784->256'
     python -m bench.linear --cpu-path avx2+fma     # the AVX2 kernels (what a Zen3 runs) on this CPU
     python -m bench.linear --peers --threads 2,1   # each product against torch, OpenBLAS and oneDNN (bench/peers.py)
+    python -m bench.linear --cuda-only              # on a GPU: float32, float32 with TF32 and bfloat16 vs cuBLAS
 """
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ SHAPES = MLP_SHAPES + HEAD_SHAPES + SQUARE_SHAPES
 QUICK_SHAPES = [(128, 784, 256), (128, 256, 10), (1024, 1024, 1024)]
 CUDA_EXTRA_SHAPES = [(4096, 4096, 4096)]
 CPU_PATHS = ("avx512", "avx2+fma", "portable")  # torch.ops.ext.set_cpu_path's names
+# The CUDA tables: {name: (dtype, torch.backends.cuda.matmul.allow_tf32)}, each side under the same flag,
+# and the share of cuBLAS's speed at 4096^3 each aims for (issue 24's goals on an H100).
+CUDA_PRECISIONS = {"float32": (torch.float32, False), "float32 with TF32": (torch.float32, True),
+                   "bfloat16": (torch.bfloat16, False)}
+CUDA_GOALS = {"float32": 0.8, "bfloat16": 0.7}
 
 # Flops per pass, in units of M*N*K multiply-adds (2 flops each): the forward is
 # one product, the backward two (dX and dW; db is a sum, negligible).
@@ -180,14 +186,15 @@ def fault_notes(rows: list[Row]) -> list[str]:
     return notes
 
 
-def bench_shape(shape, device, threads_label, min_run_time_s, rounds, products=False) -> list[Row]:
+def bench_shape(shape, device, threads_label, min_run_time_s, rounds, products=False,
+                dtype=torch.float32) -> list[Row]:
     """One shape's rows, without a peak (main adds the peak once it has every reading)."""
     m, k, n = shape
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(m, k, device=device, generator=gen, requires_grad=True)
-    w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).requires_grad_()
-    b = torch.randn(n, device=device, generator=gen, requires_grad=True)
-    dy = torch.randn(m, n, device=device, generator=gen)
+    x = torch.randn(m, k, device=device, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(dtype).requires_grad_()
+    b = torch.randn(n, device=device, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, device=device, generator=gen).to(dtype)
     if products:
         pairs = make_product_statements(x, w, b, dy)
     else:
@@ -223,6 +230,18 @@ def summary_lines(rows: list[Row]) -> list[str]:
             text += f", MLP shapes {geomean_text(mlp)}"
         lines.append(text)
     return lines
+
+
+def cuda_goal_lines(rows: list[Row], precision: str) -> list[str]:
+    """Where the precision has a goal: ext's share of cuBLAS's speed at 4096^3, forward, against it."""
+    goal = CUDA_GOALS.get(precision)
+    big = [r for r in rows if r.shape == CUDA_EXTRA_SHAPES[0] and r.pass_name == "forward"]
+    if goal is None or not big:
+        return []
+    r = big[0]
+    verdict = "met" if min(r.round_ratios) >= goal else "not met" if max(r.round_ratios) < goal else "within noise"
+    return [f"goal at 4096^3 forward: ext at >= {goal:.0%} of cuBLAS; measured {r.ratio:.0%} "
+            f"(by round {ratio_range(r.round_ratios)}): {verdict}"]
 
 
 def fma_peak_gflops(threads: int) -> float:
@@ -291,6 +310,7 @@ def main(argv=None) -> None:
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--cuda-only", action="store_true", help="only the CUDA tables (float32, TF32, bfloat16)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does: "
                              "trainer/memory.py)")
@@ -298,6 +318,8 @@ def main(argv=None) -> None:
                         help="run ext's kernels on this path (default: the best this CPU has; the %% of peak stays "
                              "against the widest FMA the CPU has)")
     args = parser.parse_args(argv)
+    if args.cuda_only and (args.peers or args.cpu_path):
+        parser.error("--cuda-only runs the CUDA tables only: leave out --peers and --cpu-path")
     if args.peers and (args.cpu_path or args.products):
         parser.error("--peers times the products on ext's best CPU path: leave out --cpu-path and --products")
     if args.cpu_path:
@@ -329,7 +351,7 @@ def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:
     """ext against F.linear in this process, for each thread count, then on CUDA where there is a GPU:
     prints the tables and returns them as markdown lines."""
     markdown = []
-    for count in args.threads:
+    for count in [] if args.cuda_only else args.threads:
         torch.set_num_threads(count)
         # The peak is read before the first shape and after each one, and the highest reading counts: one
         # reading (~0.1 s) can fall in a moment when another tenant holds a core, and then every row's
@@ -353,14 +375,20 @@ def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:
 
     if torch.cuda.is_available():
         torch.set_num_threads(os.cpu_count())
-        title = f"CUDA, {torch.cuda.get_device_name()} (vs cuBLAS)"
-        print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
-        rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
-                for row in bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products)]
-        print(format_text(rows))
-        summary = summary_lines(rows) + fault_notes(rows)
-        print("\n".join(summary))
-        markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
+        for precision, (dtype, allow_tf32) in CUDA_PRECISIONS.items():
+            title = f"CUDA, {torch.cuda.get_device_name()}, {precision} (vs cuBLAS)"
+            print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
+            before = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # both sides: ext follows torch's flag
+            try:
+                rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
+                        for row in bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products, dtype)]
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = before
+            print(format_text(rows))
+            summary = summary_lines(rows) + cuda_goal_lines(rows, precision) + fault_notes(rows)
+            print("\n".join(summary))
+            markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
     else:
         skipped = "CUDA: skipped (torch.cuda.is_available() is False: this machine has no usable GPU)"
         print("\n" + skipped)

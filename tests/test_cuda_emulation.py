@@ -12,6 +12,7 @@ inputs and long reductions.
 """
 import math
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +206,39 @@ def test_misaligned_or_strided_operands_fall_back_to_scalar_loads(tmp_path, layo
     assert load_path(dtype_name, wide=False) in result.stdout
 
 
+# ---- split-K: products whose output tiles do not fill the GPU (split_k.cuh) ----
+
+# (shape, splits on an H100's 132 SMs): the MLP's first layer, an awkward one, a long thin one.
+SPLIT_SHAPES = [((128, 256, 784), 3), ((37, 61, 1000), 3), ((5, 7, 2049), 8)]
+
+
+@pytest.mark.parametrize("shape,splits", SPLIT_SHAPES, ids=[f"{'x'.join(map(str, s))}" for s, _ in SPLIT_SHAPES])
+@pytest.mark.parametrize("dtype_name", DTYPES)
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_small_outputs_split_k_and_stay_exact(tmp_path, op, dtype_name, shape, splits):
+    M, N, K = shape
+    shape = {"backward_input": (M, K, N), "backward_weight": (K, M, N)}.get(op, shape)  # reduce over the long one
+    result, output, expected = run_case(tmp_path, op, dtype_name, shape)
+    assert_matches(result, output, expected)
+    assert split_k_of(result.stdout)[0] == splits
+
+
+@pytest.mark.parametrize("sm_count", [1, 8, 132])
+def test_split_k_rule(tmp_path, sm_count):
+    # Split exactly when the output tiles leave at least half the SMs idle and K holds two splits
+    # of 256; every split a multiple of 32 and at least 256 deep; at most 16; K covered exactly.
+    env = {"EMU_SM_COUNT": str(sm_count), "PATH": "/usr/bin:/bin"}
+    for M, N, K in [(128, 256, 784), (1, 1, 511), (1, 1, 512), (300, 300, 1024), (5, 3, 2600)]:
+        result, output, expected = run_case(tmp_path, "linear", "float32", (M, N, K), env=env)
+        assert_matches(result, output, expected)
+        splits, depth = split_k_of(result.stdout)
+        tiles = -(-M // 128) * -(-N // 128)
+        assert (splits > 1) == (sm_count // tiles >= 2 and K >= 512), (M, N, K)
+        if splits > 1:
+            assert depth >= 256 and depth % 32 == 0 and splits <= min(16, sm_count // tiles)
+            assert (splits - 1) * depth < K <= splits * depth
+
+
 def test_nan_passes_through_fused_relu(tmp_path):
     x = torch.tensor([[float("nan"), 1.0], [-1.0, 1.0]])
     w = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
@@ -261,8 +295,9 @@ def test_emulated_rounding_matches_torch(tmp_path, dtype_name):
 # ---- sanitizers: the real kernels are clean, each broken variant is caught ----
 
 # Both kernels' tile edges: M 129 and N 127 cross the block tile, K 9 the FMA kernel's K tile;
-# (65, 33, 97) crosses the tensor-core warp tiles and wraps around its 3 stages.
-SANITIZER_SHAPES = [(129, 127, 9), (65, 33, 97)]
+# (65, 33, 97) crosses the tensor-core warp tiles and wraps around its 3 stages; (17, 9, 600)
+# is split in two along K.
+SANITIZER_SHAPES = [(129, 127, 9), (65, 33, 97), (17, 9, 600)]
 
 
 @pytest.mark.parametrize("shape", SANITIZER_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -327,10 +362,11 @@ def test_wide_load_through_a_misaligned_pointer_is_reported(tmp_path, dtype_name
 
 # ---- the tensor-core kernel's broken variants (EMU_BREAK_* in gemm_tc.cuh) are each caught ----
 
-def test_too_weak_cp_async_wait_reads_poisoned_shared_memory(tmp_path):
-    # Waiting for one group fewer multiplies a stage whose copies have not landed: in the
-    # emulation they land as late as allowed, so the kernel reads shared memory's NaN poison.
-    result, output, expected = run_case(tmp_path, "linear", "float16", (64, 64, 96), variant="break_wait_group")
+@pytest.mark.parametrize("variant", ["break_no_wait", "break_wait_group"])
+def test_missing_or_too_weak_cp_async_wait_reads_poisoned_shared_memory(tmp_path, variant):
+    # No wait, or a wait for one group fewer, multiplies a stage whose copies have not landed: in
+    # the emulation they land as late as allowed, so the kernel reads shared memory's NaN poison.
+    result, output, expected = run_case(tmp_path, "linear", "float16", (64, 64, 96), variant=variant)
     assert result.returncode == 0, result.stderr
     assert output.isnan().any() and not expected.isnan().any()
 
@@ -428,6 +464,19 @@ def test_cp_async_groups_land_at_their_wait_with_the_rest_zero_filled(tmp_path):
             assert torch.equal(seen[2, lane, group], landed)
 
 
+def test_lanes_diverging_at_a_warp_instruction_is_an_error(tmp_path):
+    result = run_driver("plain", ["warp_diverge", "-", str(tmp_path / "out")])
+    assert result.returncode == MISUSE_EXIT
+    assert "diverged" in result.stderr and "must be executed by every lane of the warp together" in result.stderr
+
+
+def test_a_lane_missing_from_a_warp_instruction_times_out_with_an_error(tmp_path):
+    env = {"EMU_BARRIER_TIMEOUT_S": "1", "PATH": "/usr/bin:/bin"}
+    result = run_driver("plain", ["warp_skip", "-", str(tmp_path / "out")], env=env)
+    assert result.returncode == BARRIER_TIMEOUT_EXIT
+    assert "shfl.sync.bfly timed out after 1" in result.stderr and "31 of 32 lanes arrived" in result.stderr
+
+
 def test_warp_shuffles_match_their_definitions(tmp_path):
     out = torch.frombuffer(bytearray(run_warp_test(tmp_path, "warp_shuffle")), dtype=torch.int32).reshape(32, 4)
     for lane in range(32):
@@ -517,14 +566,14 @@ def run_random_case(tmp_path, op, dtype_name, seed=0):
         exact, magnitude = exact.flatten(), magnitude.flatten()
     if op == "linear_relu":
         exact, magnitude = exact.clamp(min=0), magnitude  # ReLU is exact
-    return read_output(tmp_path / "out", dtype, exact.shape), exact, magnitude, product
+    return read_output(tmp_path / "out", dtype, exact.shape), exact, magnitude, product, result.stdout
 
 
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_long_reductions_stay_within_the_accumulators_error_bound(tmp_path, op, dtype_name):
     dtype = DTYPES[dtype_name]
-    output, exact, magnitude, (a, _, bias) = run_random_case(tmp_path, op, dtype_name)
+    output, exact, magnitude, (a, _, bias), _ = run_random_case(tmp_path, op, dtype_name)
     terms = a.shape[1] + (bias is not None)
     factor = LAMBDA * math.sqrt(terms) * unit_roundoff(accumulator_dtype(dtype))
     if dtype_name == "tf32" and op != "backward_bias":  # inputs rounded to TF32: each product off by <= 2u + u^2
@@ -535,15 +584,26 @@ def test_long_reductions_stay_within_the_accumulators_error_bound(tmp_path, op, 
         f"worst error {((error - stored) / magnitude).max():.3g} x sum|ab|, allowed {factor:.3g}")
 
 
-def float32_sequential_sum(a, b, bias):
-    """A·B + bias as the GEMM kernel adds it: a float32 accumulator from 0, k = 0, 1, ... in
-    order, then the bias. With 16-bit inputs every product is exact in float32, so fused or
-    separate multiply-adds give these same bits."""
+def float32_sequential_sum(a, b, bias, k_split=0):
+    """A·B + bias as the GEMM kernels add it: a float32 accumulator from 0, k = 0, 1, ... in
+    order, then the bias. With 16-bit (and TF32) inputs every product is exact in float32, so
+    fused or separate multiply-adds give these same bits. Split K (k_split > 0): each split's
+    sum so, then the splits' sums added in order from 0, then the bias (split_k.cuh)."""
     products = a.float().unsqueeze(2) * b.float().unsqueeze(0)  # rows x k x cols, exact
+    depth = products.shape[1]
     total = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
-    for k in range(products.shape[1]):
-        total = total + products[:, k]
+    for begin in range(0, depth, k_split or max(depth, 1)):
+        partial = torch.zeros_like(total)
+        for k in range(begin, min(depth, begin + (k_split or depth))):
+            partial = partial + products[:, k]
+        total = total + partial if k_split else partial
     return total + bias.float() if bias is not None else total
+
+
+def split_k_of(stdout):
+    """(splits, K per split) as the driver reports for its GEMM."""
+    match = re.search(r"split_k splits=(\d+) k_split=(\d+)", stdout)
+    return int(match[1]), int(match[2])
 
 
 def float32_lane_sum(dy, lanes):
@@ -562,12 +622,14 @@ def float32_lane_sum(dy, lanes):
 @pytest.mark.parametrize("op", OPS)
 def test_tensor_core_results_are_float32_sums_rounded_once_to_nearest_even(tmp_path, op, dtype_name):
     # In the emulation's mma order (k by k, see ptx_emu.h); TF32 inputs rounded first, as cvt.rna does.
-    output, _, _, (a, b, bias) = run_random_case(tmp_path, op, dtype_name)
+    output, _, _, (a, b, bias), stdout = run_random_case(tmp_path, op, dtype_name)
     if op == "backward_bias":
         expected = float32_lane_sum(b, kernel_constants()["sum_row_lanes"])
     else:
+        splits, k_split = split_k_of(stdout)
+        assert splits > 1  # a 3 x 5 output reduced over 3001: split-K's case, its order modelled above
         rounded = tf32_round if dtype_name == "tf32" else (lambda x: x)
-        expected = float32_sequential_sum(rounded(a), rounded(b), bias)
+        expected = float32_sequential_sum(rounded(a), rounded(b), bias, k_split)
         if op == "linear_relu":
             expected = torch.relu(expected)
     assert torch.equal(output, expected.to(DTYPES[dtype_name]))  # .to rounds to nearest even

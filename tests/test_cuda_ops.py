@@ -18,10 +18,21 @@ if torch.cuda.is_available():
     import ext
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-# (M, N, K): degenerate, prime, and just off every edge of the 128 x 128 x 8 block tile.
+# (M, N, K): degenerate, prime, just off every edge of both kernels' tiles (128 x 128 x 8 on the FMA
+# units; 128 x 128 x 32, 64 x 32 warp tiles and 3 stages on the tensor cores), and products that
+# split K (split_k.cuh: few output tiles, long K).
 SHAPES = [(1, 1, 1), (37, 61, 45), (128, 128, 8), (129, 127, 9), (127, 129, 7), (130, 68, 12), (3, 5, 0),
-          (0, 4, 3)]
+          (0, 4, 3), (65, 33, 31), (64, 32, 96), (17, 9, 97), (136, 72, 40), (128, 256, 784), (5, 7, 2049)]
 LAYOUTS = ["contiguous", "transposed", "misaligned", "strided"]
+
+
+@pytest.fixture
+def tf32():
+    """torch.backends.cuda.matmul.allow_tf32 on for one test: float32 takes the tensor cores."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def quarters(*shape, generator):
@@ -88,6 +99,27 @@ def test_any_layout(layout, dtype):
     leaves, grad_output = exact_case((37, 61, 45), dtype, layout)
     for got, expected in zip(ours(ext.linear, leaves, grad_output), reference(ext.linear, leaves, grad_output), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tf32_forward_and_gradients_are_exact_on_exact_inputs(shape, tf32):
+    # Multiples of 1/4 are exact in TF32 too: the tensor-core path must give the exact result.
+    leaves, grad_output = exact_case(shape, torch.float32)
+    for got, expected in zip(ours(ext.linear, leaves, grad_output), reference(ext.linear, leaves, grad_output),
+                             strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_tf32_follows_torch_flag_and_matches_cublas_tf32(tf32):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w = torch.randn(256, 1024, device="cuda", generator=g), torch.randn(512, 1024, device="cuda", generator=g)
+    exact = x.double() @ w.double().t()
+    with_tf32, cublas_tf32 = ext.linear(x, w, None), F.linear(x, w)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    without = ext.linear(x, w, None)
+    error = lambda y: ((y.double() - exact).abs().max() / exact.abs().max()).item()  # noqa: E731
+    assert error(without) < 1e-5 < error(with_tf32) < 5e-3  # TF32's 10-bit mantissa shows, and no more
+    assert error(with_tf32) < 4 * error(cublas_tf32) + 1e-6  # about cuBLAS's own TF32 error
 
 
 def test_float32_random_values_match_f_linear_with_large_k():

@@ -229,3 +229,31 @@ def test_peers_mode_refuses_the_options_it_does_not_take(capsys):
     with pytest.raises(SystemExit):
         bench_linear.main(["--peers", "--products"])
     assert "--peers times the products on ext's best CPU path" in capsys.readouterr().err
+
+
+def test_cuda_only_runs_no_cpu_table(tmp_path, capsys):
+    bench_linear.main(["--cuda-only", "--quick", "--markdown", str(tmp_path / "cuda.md")])
+    out = capsys.readouterr().out
+    assert "== CPU" not in out and "### CPU" not in (tmp_path / "cuda.md").read_text()
+    if not torch.cuda.is_available():
+        assert "CUDA: skipped (torch.cuda.is_available() is False" in out
+
+
+def cuda_row(pass_name, ratios, shape=(4096, 4096, 4096)):
+    ratio = sorted(ratios)[len(ratios) // 2]
+    return bench_linear.Row("cuda", "-", shape, pass_name, ratio * 1e-3, 1e-3, None, tuple(ratios))
+
+
+@pytest.mark.parametrize("ratios,verdict", [((0.85, 0.9, 0.82), "met"), ((0.5, 0.6, 0.55), "not met"),
+                                            ((0.75, 0.85, 0.8), "within noise")])
+def test_cuda_goal_line_says_whether_the_share_of_cublas_is_met(ratios, verdict):
+    rows = [cuda_row("forward", ratios), cuda_row("backward", (0.1, 0.1, 0.1)), cuda_row("forward", (9, 9, 9), (1, 1, 1))]
+    [line] = bench_linear.cuda_goal_lines(rows, "float32")
+    assert line.startswith("goal at 4096^3 forward: ext at >= 80% of cuBLAS") and line.endswith(f": {verdict}")
+    assert bench_linear.cuda_goal_lines(rows, "float32 with TF32") == []  # no goal set for it
+
+
+def test_gpu_day_script_is_valid_bash():
+    result = subprocess.run(["bash", "-n", str(Path(__file__).parents[1] / "scripts" / "gpu_day.sh")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -33,6 +33,7 @@ VARIANT_FLAGS = {
     "break_bounds": [*_ASAN, "-DEMU_BREAK_BOUNDS"],
     "break_barrier": ["-O2", "-DEMU_BREAK_BARRIER"],
     "break_alignment": [*_ASAN, "-DEMU_BREAK_ALIGNMENT"],
+    "break_no_wait": ["-O2", "-DEMU_BREAK_NO_WAIT"],
     "break_wait_group": ["-O2", "-DEMU_BREAK_WAIT_GROUP"],
     "break_fragment": ["-O2", "-DEMU_BREAK_FRAGMENT"],
     "break_stage_barrier": [*_TSAN, "-DEMU_BREAK_STAGE_BARRIER"],

@@ -108,6 +108,13 @@ namespace emu {
 constexpr int kBarrierTimeoutExit = 86;  // a barrier or warp-wide instruction some threads never reached
 constexpr int kMisuseExit = 87;          // an instruction used against its rules (bad address, divergence)
 
+// The SMs of the emulated GPU, for host code that sizes its work to them (split-K): an H100's
+// 132 unless EMU_SM_COUNT says otherwise.
+inline int sm_count() {
+  const char* text = std::getenv("EMU_SM_COUNT");
+  return text != nullptr ? std::atoi(text) : 132;
+}
+
 inline double barrier_timeout_s() {
   const char* text = std::getenv("EMU_BARRIER_TIMEOUT_S");
   return text != nullptr ? std::atof(text) : 30.0;

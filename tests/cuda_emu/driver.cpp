@@ -21,6 +21,7 @@
 //   warp_ldmatrix M, warp_ldmatrix_trans M the 4 x 32 registers ldmatrix.x4 (.trans) gives
 //   warp_cp_async SRC                      shared memory seen at three moments of three copy groups
 //   warp_shuffle                           the lanes' results of four shuffles
+//   warp_diverge, warp_skip                warp instructions misused: the harness must say so
 // Their inputs are raw files, not operand specs.
 //
 // BIAS is an N x 1 operand. GEMM ops print which operands took the wide-load path.
@@ -104,7 +105,16 @@ void run_gemm(const ext::cuda::GemmParams<T>& params) {
   } else {
     std::printf("wide_loads a=%d b=%d\n", int(params.a.wide_loads), int(params.b.wide_loads));
   }
-  ext::cuda::launch_gemm_kernel<EmulatedDevice>(params, g_allow_tf32);
+  std::vector<ext::cuda::acc_t<T>> partials;
+  const auto allocate = [&](int64_t elements) {
+    partials.resize(size_t(elements));  // exactly sized: AddressSanitizer sees an overrun
+    return partials.data();
+  };
+  const int64_t tiles = ((params.a.outer_size + ext::cuda::kBlockM - 1) / ext::cuda::kBlockM) *
+                        ((params.b.outer_size + ext::cuda::kBlockN - 1) / ext::cuda::kBlockN);
+  const ext::cuda::SplitK split = ext::cuda::choose_split_k(tiles, params.K, emu::sm_count());
+  std::printf("split_k splits=%d k_split=%lld\n", split.splits, static_cast<long long>(split.k_split));
+  ext::cuda::launch_gemm_kernel<EmulatedDevice>(params, g_allow_tf32, emu::sm_count(), allocate);
 }
 
 template <typename T>
@@ -208,6 +218,15 @@ void run_warp_test(std::string_view op, std::string_view dtype, const std::strin
     std::vector<unsigned char> src = read_elements<unsigned char>(files[0], 3 * 32 * 16);
     std::vector<unsigned char> out(3 * 32 * 3 * 16);
     emu::launch(dim3(1), dim3(32), 32 * 3 * 16, warp_tests::cp_async_groups, src.data(), out.data());
+    return write_elements(out_path, out);
+  }
+  if (op == "warp_diverge" || op == "warp_skip") {
+    std::vector<int> out(32);
+    if (op == "warp_diverge") {
+      emu::launch(dim3(1), dim3(32), 16, warp_tests::misused_warp<warp_tests::Misuse::kDiverge>, out.data());
+    } else {
+      emu::launch(dim3(1), dim3(32), 0, warp_tests::misused_warp<warp_tests::Misuse::kSkip>, out.data());
+    }
     return write_elements(out_path, out);
   }
   if (op == "warp_shuffle") {

@@ -30,6 +30,8 @@ struct EmulatedDevice {
     emu::launch(grid, dim3(ext::cuda::kThreads), shared_bytes, kernel, params);
   }
 
+  static int multiprocessor_count() { return emu::sm_count(); }
+
   using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
   static const c10::TypedOperatorHandle<LinearSignature>& linear_op(bool relu) {
     static const auto plain =

@@ -99,4 +99,22 @@ __global__ void shuffles(int* out) {
   out[lane * 4 + 3] = __shfl_sync(0xffffffffu, mine, 3, 8);
 }
 
+// Warp-wide instructions used against their rules, so the tests see the harness's errors:
+// kDiverge, lanes 0-15 shuffle while lanes 16-31 ldmatrix; kSkip, lane 31 skips the shuffle.
+enum class Misuse { kDiverge, kSkip };
+
+template <Misuse kMisuse>
+__global__ void misused_warp(int* out) {
+  const int lane = int(threadIdx.x);
+  if (kMisuse == Misuse::kSkip && lane == 31) return;
+  if (kMisuse == Misuse::kDiverge && lane >= 16) {
+    EXT_SHARED_MEMORY(shared);
+    uint32_t r[4];
+    ext::cuda::ptx::ldmatrix_x4(r, shared);
+    out[lane] = int(r[0]);
+    return;
+  }
+  out[lane] = __shfl_xor_sync(0xffffffffu, lane, 1);
+}
+
 }  // namespace warp_tests

@@ -1,8 +1,9 @@
-// The CUDA GEMM behind the forward and both matrix backward products:
-// C (M x N) = A (M x K) · B (K x N) + bias, optional ReLU, for any sizes, strides
-// and alignment. A register-blocked shared-memory kernel: each 256-thread block
-// computes a 128 x 128 tile of C, each thread an 8 x 8 register tile, stepping
-// through K 8 at a time with the next K tile loaded while the current one is used.
+// The CUDA GEMM on the FMA units, for float32 (unless TF32 is allowed) and float64, and what
+// both GEMM kernels share (GemmParams, the operand views, split-K's K range): C (M x N) =
+// A (M x K) · B (K x N) + bias, optional ReLU, for any sizes, strides and alignment. A
+// register-blocked shared-memory kernel: each 256-thread block computes a 128 x 128 tile of C,
+// each thread an 8 x 8 register tile, stepping through K 8 at a time with the next K tile loaded
+// while the current one is used. float16, bfloat16 and TF32 go to gemm_tc.cuh (gemm_launch.cuh).
 #pragma once
 
 #include "kernel_common.cuh"
@@ -83,7 +84,24 @@ struct GemmParams {
   bool relu;
   T* c;  // M x N, row-major
   int64_t ldc;
+  // Split-K (split_k.cuh): blockIdx.z covers K from z k_split on, at most k_split of it, and its
+  // sums go, without bias or ReLU, to partial[z] (M x N, dense) for split_k_reduce_kernel.
+  int64_t k_split = 0;          // 0: no split, the whole K and the epilogue above
+  acc_t<T>* partial = nullptr;
 };
+
+// This block's share of K: [k_begin, k_begin + depth).
+struct KRange {
+  int64_t k_begin;
+  int64_t depth;
+};
+
+template <typename T>
+__device__ __forceinline__ KRange block_k_range(const GemmParams<T>& p) {
+  if (p.k_split == 0) return {0, p.K};
+  const int64_t k_begin = int64_t(blockIdx.z) * p.k_split;
+  return {k_begin, (p.K - k_begin < p.k_split ? p.K - k_begin : p.k_split)};
+}
 
 // Y (M x N) = X (M x K) · Wᵀ + bias, where W is N x K.
 template <typename T>
@@ -244,23 +262,26 @@ __global__ void __launch_bounds__(kThreads, kGemmMinBlocksPerSm<T>) gemm_kernel(
   const int row0 = (int(threadIdx.x) / kThreadsN) * kRun;  // this thread's first row (and col) in the tile
   const int col0 = (int(threadIdx.x) % kThreadsN) * kRun;
 
+  const KRange k_range = block_k_range(p);
   RunCursor a_cursor = start_cursor(p.a, m0);
   RunCursor b_cursor = start_cursor(p.b, n0);
+  a_cursor.offset += k_range.k_begin * p.a.k_stride;
+  b_cursor.offset += k_range.k_begin * p.b.k_stride;
   Acc a_run[kRun];
   Acc b_run[kRun];
-  fetch_run(p.a, a_cursor, p.K, a_run);
-  fetch_run(p.b, b_cursor, p.K, b_run);
+  fetch_run(p.a, a_cursor, k_range.depth, a_run);
+  fetch_run(p.b, b_cursor, k_range.depth, b_run);
   store_run(p.a.runs_along_k, a_run, a_tiles[0]);
   store_run(p.b.runs_along_k, b_run, b_tiles[0]);
   __syncthreads();
 
   Acc acc[kThreadM][kThreadN] = {};
-  const int64_t k_tiles = (p.K + kBlockK - 1) / kBlockK;
+  const int64_t k_tiles = (k_range.depth + kBlockK - 1) / kBlockK;
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     const int current = int(kt & 1);
     const bool has_next = kt + 1 < k_tiles;
     if (has_next) {  // issue the next tile's global loads now; they land while the FMAs below run
-      const int64_t k_left = p.K - (kt + 1) * kBlockK;
+      const int64_t k_left = k_range.depth - (kt + 1) * kBlockK;
       a_cursor.offset += kBlockK * p.a.k_stride;
       b_cursor.offset += kBlockK * p.b.k_stride;
       fetch_run(p.a, a_cursor, k_left, a_run);
@@ -280,6 +301,20 @@ __global__ void __launch_bounds__(kThreads, kGemmMinBlocksPerSm<T>) gemm_kernel(
   // one row pointer at a time keep the 64 accumulators' neighbours few (no spills).
   const int rows_left = p.a.outer_size - m0 < kBlockM ? int(p.a.outer_size - m0) : kBlockM;
   const int cols_left = p.b.outer_size - n0 < kBlockN ? int(p.b.outer_size - n0) : kBlockN;
+  if (p.partial != nullptr) {  // split-K: this split's sums, as they are
+#pragma unroll
+    for (int i = 0; i < kThreadM; ++i) {
+      const int row = (i / kRun) * kHalfTile + row0 + i % kRun;
+      if (row >= rows_left) continue;
+      Acc* partial_row = p.partial + (int64_t(blockIdx.z) * p.a.outer_size + m0 + row) * p.b.outer_size + n0;
+#pragma unroll
+      for (int j = 0; j < kThreadN; ++j) {
+        const int col = (j / kRun) * kHalfTile + col0 + j % kRun;
+        if (col < cols_left) partial_row[col] = acc[i][j];
+      }
+    }
+    return;
+  }
   Acc bias[kThreadN];
 #pragma unroll
   for (int j = 0; j < kThreadN; ++j) {

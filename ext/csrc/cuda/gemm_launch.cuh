@@ -7,6 +7,7 @@
 
 #include "gemm.cuh"
 #include "gemm_tc.cuh"
+#include "split_k.cuh"
 
 namespace ext::cuda {
 
@@ -26,9 +27,11 @@ constexpr size_t kFmaSharedBytes = sizeof(GemmShared<acc_t<T>>);
 
 // The tensor-core kernel instantiated for the operands' orientations (K-major or not, each).
 template <typename Device, typename T>
-void launch_tensor_core_gemm(const GemmParams<T>& params) {
+void launch_tensor_core_gemm(const GemmParams<T>& params, int splits) {
   const auto launch = [&](auto kernel) {
-    Device::launch(kernel, tc::gemm_grid(params), kTensorCoreSharedBytes<T>, params);
+    dim3 grid = tc::gemm_grid(params);
+    grid.z = unsigned(splits);
+    Device::launch(kernel, grid, kTensorCoreSharedBytes<T>, params);
   };
   if (params.a.runs_along_k) {
     params.b.runs_along_k ? launch(tc::gemm_kernel<T, true, true>) : launch(tc::gemm_kernel<T, true, false>);
@@ -37,12 +40,36 @@ void launch_tensor_core_gemm(const GemmParams<T>& params) {
   }
 }
 
-template <typename Device, typename T>
-void launch_gemm_kernel(const GemmParams<T>& params, bool allow_tf32) {
-  if constexpr (kIs16Bit<T> || std::is_same_v<T, float>) {
-    if (on_tensor_cores<T>(allow_tf32)) return launch_tensor_core_gemm<Device>(params);
+// C = A·B (+ bias, ReLU) on `sm_count` SMs: split-K where the tiles do not fill them
+// (split_k.cuh), with partials from allocate_partials(elements), a buffer of acc_t<T> that must
+// stay valid until the launched kernels have run.
+template <typename Device, typename T, typename Allocate>
+void launch_gemm_kernel(GemmParams<T> params, bool allow_tf32, int sm_count, Allocate allocate_partials) {
+  const int64_t M = params.a.outer_size, N = params.b.outer_size;
+  const int64_t tiles = ((M + kBlockM - 1) / kBlockM) * ((N + kBlockN - 1) / kBlockN);  // both kernels' tile
+  static_assert(kBlockM == tc::kBlockM && kBlockN == tc::kBlockN);
+  const SplitK split = choose_split_k(tiles, params.K, sm_count);
+  SplitKReduceParams<T> reduce{nullptr, split.splits, M, N, params.bias, params.relu, params.c, params.ldc};
+  if (split.splits > 1) {
+    params.k_split = split.k_split;
+    params.partial = allocate_partials(int64_t(split.splits) * M * N);
+    reduce.partial = params.partial;
   }
-  if constexpr (!kIs16Bit<T>) Device::launch(gemm_kernel<T>, gemm_grid(params), kFmaSharedBytes<T>, params);
+  bool launched = false;
+  if constexpr (kIs16Bit<T> || std::is_same_v<T, float>) {
+    if (on_tensor_cores<T>(allow_tf32)) {
+      launch_tensor_core_gemm<Device>(params, split.splits);
+      launched = true;
+    }
+  }
+  if constexpr (!kIs16Bit<T>) {
+    if (!launched) {
+      dim3 grid = gemm_grid(params);
+      grid.z = unsigned(split.splits);
+      Device::launch(gemm_kernel<T>, grid, kFmaSharedBytes<T>, params);
+    }
+  }
+  if (split.splits > 1) Device::launch(split_k_reduce_kernel<T>, split_k_reduce_grid(reduce), 0, reduce);
 }
 
 }  // namespace ext::cuda

@@ -96,10 +96,12 @@ struct alignas(16) Chunk {
 };
 
 // Fault injection, for the emulation tests only (tests/cuda_emu): each switch breaks one rule.
-#if defined(EMU_BREAK_WAIT_GROUP)
-constexpr int kGroupsLeftInFlight = kStages - 1;  // one too many: the stage about to be read may not have landed
+#if defined(EMU_BREAK_NO_WAIT)
+#define EXT_WAIT_FOR_STAGE()  // missing: a stage is multiplied before its copies have landed
+#elif defined(EMU_BREAK_WAIT_GROUP)
+#define EXT_WAIT_FOR_STAGE() ptx::cp_async_wait<kStages - 1>()  // one group too weak: the same, subtler
 #else
-constexpr int kGroupsLeftInFlight = kStages - 2;
+#define EXT_WAIT_FOR_STAGE() ptx::cp_async_wait<kStages - 2>()  // all but the newest group: tile kt has landed
 #endif
 #if defined(EMU_BREAK_STAGE_BARRIER)
 #define EXT_STAGE_BARRIER()  // missing: copies into a stage race with other warps still reading it
@@ -107,12 +109,13 @@ constexpr int kGroupsLeftInFlight = kStages - 2;
 #define EXT_STAGE_BARRIER() __syncthreads()
 #endif
 
-// This thread's part of one operand's K tile, copied into shared memory, zero past every edge:
+// This thread's part of one operand's K tile from k0, copied into shared memory, zero past every
+// edge (k_end, the operand's outer size):
 // 16-byte chunks along the contiguous dimension, or (float, outer-major in global memory) single
 // elements, consecutive threads reading consecutive addresses, stored K-major. Operands that are
 // not contiguous and 16-byte aligned (TileOperand::chunk_loads) go through registers instead.
 template <typename T, bool k_major>
-__device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t outer0, int64_t k0, int64_t K, T* tile) {
+__device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t outer0, int64_t k0, int64_t k_end, T* tile) {
   if constexpr (!k_major && sizeof(T) == 4) {  // float: element by element, transposed
     // Thread t copies column t % 128 at 8 consecutive k, from k = 8 (t / 128): one pointer walked
     // down the column, into two shared chunks (64-bit offsets per element, or a swizzled chunk per
@@ -124,7 +127,7 @@ __device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t oute
     const T* src = op.ptr + (outer_inside ? (outer0 + outer) * op.outer_stride + (k0 + first_k) * op.k_stride : 0);
 #pragma unroll
     for (int k = first_k; k < first_k + kRows; ++k, src += op.k_stride) {
-      const bool inside = outer_inside && k0 + k < K;
+      const bool inside = outer_inside && k0 + k < k_end;
       T* dst = tile + swizzled_offset<T>(true, outer, k);
       if (op.chunk_loads) {
         ptx::cp_async_4(dst, inside ? src : op.ptr, inside ? 4 : 0);
@@ -143,8 +146,8 @@ __device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t oute
   const int along = (int(threadIdx.x) % chunks_per_row) * chunk_size;  // the chunk's first element in its row
   const int64_t row_stride = k_major ? op.outer_stride : op.k_stride;
   const int64_t along_stride = k_major ? op.k_stride : op.outer_stride;
-  const int64_t rows_left = k_major ? op.outer_size - outer0 : K - k0;
-  const int64_t run_left = (k_major ? K - k0 : op.outer_size - outer0) - along;
+  const int64_t rows_left = k_major ? op.outer_size - outer0 : k_end - k0;
+  const int64_t run_left = (k_major ? k_end - k0 : op.outer_size - outer0) - along;
   const int run_valid = run_left <= 0 ? 0 : run_left >= chunk_size ? chunk_size : int(run_left);
   const T* src = op.ptr + (outer0 + (k_major ? first_row : along)) * op.outer_stride +
                  (k0 + (k_major ? along : first_row)) * op.k_stride;
@@ -219,12 +222,15 @@ __device__ __forceinline__ void load_b_fragments(const T* tile, int n0, int k0, 
   }
 }
 
+// K tile k_tile of this block's K range into its stage.
 template <typename T, bool a_k_major, bool b_k_major>
-__device__ __forceinline__ void load_stage(const GemmParams<T>& p, Shared<T>& tiles, int64_t m0, int64_t n0,
-                                           int64_t k_tile) {
+__device__ __forceinline__ void load_stage(const GemmParams<T>& p, const KRange& k_range, Shared<T>& tiles,
+                                           int64_t m0, int64_t n0, int64_t k_tile) {
   const int stage = int(k_tile % kStages);
-  load_tile<T, a_k_major>(p.a, m0, k_tile * kBlockK<T>, p.K, tiles.a[stage]);
-  load_tile<T, b_k_major>(p.b, n0, k_tile * kBlockK<T>, p.K, tiles.b[stage]);
+  const int64_t k0 = k_range.k_begin + k_tile * kBlockK<T>;
+  const int64_t k_end = k_range.k_begin + k_range.depth;
+  load_tile<T, a_k_major>(p.a, m0, k0, k_end, tiles.a[stage]);
+  load_tile<T, b_k_major>(p.b, n0, k0, k_end, tiles.b[stage]);
 }
 
 template <typename T>
@@ -246,21 +252,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
   const int lane = int(threadIdx.x) % 32;
   const int warp_m0 = (warp / kWarpsN) * kWarpM;
   const int warp_n0 = (warp % kWarpsN) * kWarpN;
-  const int64_t k_tiles = (p.K + kBlockK<T> - 1) / kBlockK<T>;
+  const KRange k_range = block_k_range(p);
+  const int64_t k_tiles = (k_range.depth + kBlockK<T> - 1) / kBlockK<T>;
 
   // Prologue: the first kStages - 1 tiles in flight, one commit group each (empty past the end,
   // so the count of groups, which cp_async_wait relies on, is the same for every K).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage<T, a_k_major, b_k_major>(p, tiles, m0, n0, s);
+    if (s < k_tiles) load_stage<T, a_k_major, b_k_major>(p, k_range, tiles, m0, n0, s);
     ptx::cp_async_commit();
   }
 
   float acc[kTilesM][kTilesN][4] = {};
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
-    ptx::cp_async_wait<kGroupsLeftInFlight>();  // this thread's copies of tile kt have landed
+    EXT_WAIT_FOR_STAGE();  // this thread's copies of tile kt have landed
     EXT_STAGE_BARRIER();  // everyone's have, and every warp is done with tile kt - 1's stage
-    if (kt + kStages - 1 < k_tiles) load_stage<T, a_k_major, b_k_major>(p, tiles, m0, n0, kt + kStages - 1);
+    if (kt + kStages - 1 < k_tiles) load_stage<T, a_k_major, b_k_major>(p, k_range, tiles, m0, n0, kt + kStages - 1);
     ptx::cp_async_commit();
 
     const int stage = int(kt % kStages);
@@ -284,6 +291,26 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
   const int cols_left = p.b.outer_size - n0 < kBlockN ? int(p.b.outer_size - n0) : kBlockN;
   const int group = lane >> 2;
   const int col_in_tile = 2 * (lane & 3);
+  if (p.partial != nullptr) {  // split-K: this split's sums, as they are
+#pragma unroll
+    for (int i = 0; i < kTilesM; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_m0 + i * kMmaM + group + 8 * half;
+        if (row >= rows_left) continue;
+        float* partial_row = p.partial + (int64_t(blockIdx.z) * p.a.outer_size + m0 + row) * p.b.outer_size + n0;
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int col = warp_n0 + j * kMmaN + col_in_tile + c;
+            if (col < cols_left) partial_row[col] = acc[i][j][2 * half + c];
+          }
+        }
+      }
+    }
+    return;
+  }
   float bias[kTilesN][2];
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) {

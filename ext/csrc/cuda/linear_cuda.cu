@@ -5,6 +5,7 @@
 #include "linear_host.h"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -22,6 +23,12 @@ struct CudaDevice {
   static void launch(void (*kernel)(Params), dim3 grid, size_t shared_bytes, const Params& params) {
     kernel<<<grid, cuda::kThreads, shared_bytes, c10::cuda::getCurrentCUDAStream()>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  static int multiprocessor_count() {  // cudaDeviceGetAttribute is a cheap query, unlike cudaGetDeviceProperties
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device()));
+    return count;
   }
 
   static const c10::TypedOperatorHandle<handles::LinearSignature>& linear_op(bool relu) {

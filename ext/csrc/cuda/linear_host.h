@@ -8,6 +8,7 @@
 //   Device::Guard                       constructed from the inputs' at::Device for the call
 //   Device::launch(kernel, grid, shared_bytes, params)
 //                                       runs kernel<<<grid, kThreads, shared_bytes>>>(params) on its stream
+//   Device::multiprocessor_count()      the SMs of the current device (split-K's rule)
 //   Device::kType, Device::kAutocastKey  the device type and autocast key the ops are under
 //   Device::linear_op(relu)              the dispatcher handle of the (fused) linear op
 #pragma once
@@ -51,11 +52,21 @@ T* mutable_ptr(at::Tensor& t) {
 
 template <typename Device>
 struct LinearHost {
+  // The partial sums of a split-K product live in a tensor from torch's caching allocator:
+  // freed when this returns, its memory is reused only by work queued after these kernels
+  // on the same stream.
   template <typename T>
-  static void launch_gemm(const GemmParams<T>& params) {
+  static void launch_gemm(const GemmParams<T>& params, const at::TensorOptions& options) {
     TORCH_CHECK(params.b.outer_size <= kMaxGemmN, "ext CUDA GEMM: an output with ", params.b.outer_size,
                 " columns exceeds the grid limit of ", kMaxGemmN);
-    launch_gemm_kernel<Device>(params, at::globalContext().allowTF32CuBLAS());  // exactly as torch's matmuls
+    using Acc = acc_t<T>;
+    at::Tensor partials;
+    const auto allocate = [&](int64_t elements) {
+      partials = at::empty({elements}, options.dtype(std::is_same_v<Acc, double> ? at::kDouble : at::kFloat));
+      return reinterpret_cast<Acc*>(partials.mutable_data_ptr());
+    };
+    launch_gemm_kernel<Device>(params, at::globalContext().allowTF32CuBLAS(),  // exactly as torch's matmuls
+                               Device::multiprocessor_count(), allocate);
   }
 
   // Y (M x N) = X (M x K) · Wᵀ + bias, optionally followed by ReLU in the same store.
@@ -70,7 +81,8 @@ struct LinearHost {
       using T = decltype(tag);
       const T* bias_ptr =
           bias_contiguous.defined() ? reinterpret_cast<const T*>(bias_contiguous.const_data_ptr()) : nullptr;
-      launch_gemm(linear_params(strided<T>(input), strided<T>(weight), bias_ptr, relu, mutable_ptr<T>(out)));
+      launch_gemm(linear_params(strided<T>(input), strided<T>(weight), bias_ptr, relu, mutable_ptr<T>(out)),
+                  out.options());
     });
     return out;
   }
@@ -83,7 +95,8 @@ struct LinearHost {
     if (grad_input.numel() == 0) return grad_input;
     dispatch_dtype(grad_output.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      launch_gemm(backward_input_params(strided<T>(grad_output), strided<T>(weight), mutable_ptr<T>(grad_input)));
+      launch_gemm(backward_input_params(strided<T>(grad_output), strided<T>(weight), mutable_ptr<T>(grad_input)),
+                  grad_input.options());
     });
     return grad_input;
   }
@@ -96,7 +109,8 @@ struct LinearHost {
     if (grad_weight.numel() == 0) return grad_weight;
     dispatch_dtype(grad_output.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      launch_gemm(backward_weight_params(strided<T>(grad_output), strided<T>(input), mutable_ptr<T>(grad_weight)));
+      launch_gemm(backward_weight_params(strided<T>(grad_output), strided<T>(input), mutable_ptr<T>(grad_weight)),
+                  grad_weight.options());
     });
     return grad_weight;
   }

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# A day with a GPU, in one command: builds the extension for the GPU at hand, runs the static
+# kernel checks (.ci/check_cuda.sh), the CUDA tests on the real kernels (tests/test_cuda_ops.py),
+# bench.linear's CUDA tables against cuBLAS (float32, float32 with TF32, bfloat16; the MLP shapes
+# and 4096^3, with issue 24's goals) and the whole MLP training step on the GPU, float32 and
+# under autocast (bench.train), and writes it all into one markdown report. A failing step is
+# reported and the next one still runs; the exit status is 1 if any step failed.
+#
+# Usage: bash scripts/gpu_day.sh [REPORT]     (default: $OUT/gpu_day.md under the device tool, else gpu_day.md)
+#   PYTHON      the interpreter with torch (default python3)
+#   QUICK=1     bench.linear --quick and shorter training runs (for a first look, ~3 min)
+#
+# A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
+# needs. Fetch it beforehand where pip works, into .whl/ (git-ignored), and carry .whl:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
+#   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3    # PyPI has only its sdist
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+REPORT=${1:-${OUT:+$OUT/}gpu_day.md}
+LOGS=$(mktemp -d)
+start_s=$SECONDS
+failed=()
+
+if ! "$PYTHON" -c "import hydra" 2>/dev/null && compgen -G ".whl/*" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
+      --target /tmp/gpu_day_site .whl/* &&
+    export PYTHONPATH=/tmp/gpu_day_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi")
+{
+  echo "# GPU day: $gpu"
+  echo
+  echo "Commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u '+%Y-%m-%d %H:%M UTC'), torch" \
+       "$("$PYTHON" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1)," \
+       "$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'no nvcc')."
+  echo
+} > "$REPORT"
+
+# step NAME COMMAND...: runs it, logs it, and puts its exit status, time and output (or the
+# markdown it wrote to $LOGS/NAME.md) into the report.
+step() {
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  {
+    echo "## $name (exit $rc, $((SECONDS - t0)) s)"
+    echo
+    echo "\`$*\`"
+    echo
+    if [[ -s $LOGS/$name.md ]]; then
+      cat "$LOGS/$name.md"
+    else
+      echo '```'; tail -n 60 "$LOGS/$name.log"; echo '```'
+    fi
+    echo
+  } >> "$REPORT"
+  [[ $rc == 0 ]] || failed+=("$name")
+  tail -n 3 "$LOGS/$name.log"
+}
+
+quick=()
+epochs=(--epochs 3 --train-size 60000)
+if [[ ${QUICK:-0} == 1 ]]; then quick=(--quick); epochs=(--epochs 2 --train-size 10000); fi
+
+step build "$PYTHON" -m ext
+step check_cuda env PYTHON="$PYTHON" bash .ci/check_cuda.sh
+step cuda_tests "$PYTHON" -m pytest tests/test_cuda_ops.py -q -p no:cacheprovider
+step bench_linear "$PYTHON" -m bench.linear --cuda-only "${quick[@]}" --markdown "$LOGS/bench_linear.md"
+if "$PYTHON" -c "import hydra" 2>/dev/null; then
+  step bench_train_float32 "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_float32.md"
+  step bench_train_amp "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_amp.md" trainer.amp=true
+else
+  echo "## bench_train: skipped (hydra-core is not installed and .whl/ holds no wheels for it; see scripts/gpu_day.sh)" >> "$REPORT"
+  failed+=(bench_train)
+fi
+
+summary="${#failed[@]} step(s) failed${failed[*]:+: ${failed[*]}}; $((SECONDS - start_s)) s"
+echo "Done: $summary" >> "$REPORT"
+echo "gpu_day: $summary; report in $REPORT"
+[[ ${#failed[@]} == 0 ]]
