@@ -2,6 +2,7 @@ import contextlib
 import math
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -48,3 +49,20 @@ def num_threads(count):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def allow_tf32():
+    """torch.backends.cuda.matmul.allow_tf32 on for one test (a global flag, CPU builds included): our CUDA
+    float32 GEMM then takes the tensor cores in TF32, as torch's own matmuls do."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def tf32_round(x):
+    """float32 values rounded to TF32 as cvt.rna.tf32.f32 does: to nearest, ties away from zero."""
+    bits = x.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # as unsigned
+    rounded = (bits + 0x1000) & 0xFFFFE000  # finite inputs only: no carry into infinity here
+    return (rounded - ((rounded >> 31) << 32)).to(torch.int32).view(torch.float32)

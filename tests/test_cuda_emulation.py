@@ -21,6 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tf32_round
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
 from build import driver_path  # noqa: E402
 
@@ -409,13 +411,6 @@ def test_mma_computes_a_times_b_plus_c_with_the_isa_fragment_layouts(tmp_path, d
     g = torch.Generator().manual_seed(1)
     a, b, c = quarters(16, k, generator=g), quarters(k, 8, generator=g), quarters(16, 8, generator=g)
     assert torch.equal(run_warp_mma(tmp_path, dtype_name, a, b, c), (a @ b + c).float())
-
-
-def tf32_round(x):
-    """float32 values rounded to TF32 as cvt.rna.tf32.f32 does: to nearest, ties away from zero."""
-    bits = x.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # as unsigned
-    rounded = (bits + 0x1000) & 0xFFFFE000  # finite inputs only: no carry into infinity here
-    return (rounded - ((rounded >> 31) << 32)).to(torch.int32).view(torch.float32)
 
 
 def test_tf32_inputs_are_rounded_to_nearest_ties_away(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tf32_round
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda_emu"))
 from build import host_ops_library  # noqa: E402
@@ -108,22 +109,9 @@ def test_autocast_runs_the_op_in_the_autocast_dtype_and_leaves_float64_alone(ops
     assert y64.dtype == torch.float64
 
 
-@pytest.fixture
-def allow_tf32():
-    """torch.backends.cuda.matmul.allow_tf32 set for one test (a global flag, CPU builds included)."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
-
-
 def tf32_products_summed(x, w):
-    """x · wᵀ from inputs rounded to TF32 (to nearest, ties away), in float32, k by k."""
-    def rounded(t):
-        bits = t.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-        r = (bits + 0x1000) & 0xFFFFE000
-        return (r - ((r >> 31) << 32)).to(torch.int32).view(torch.float32)
-    xr, wr = rounded(x), rounded(w)
+    """x · wᵀ from inputs rounded to TF32, in float32, k by k."""
+    xr, wr = tf32_round(x), tf32_round(w)
     total = torch.zeros(x.shape[0], w.shape[0])
     for k in range(x.shape[1]):
         total = total + xr[:, k:k + 1] * wr[:, k].unsqueeze(0)

@@ -26,15 +26,6 @@ SHAPES = [(1, 1, 1), (37, 61, 45), (128, 128, 8), (129, 127, 9), (127, 129, 7), 
 LAYOUTS = ["contiguous", "transposed", "misaligned", "strided"]
 
 
-@pytest.fixture
-def tf32():
-    """torch.backends.cuda.matmul.allow_tf32 on for one test: float32 takes the tensor cores."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
-
-
 def quarters(*shape, generator):
     return (torch.randint(-8, 9, shape, generator=generator).double() / 4).cuda()
 
@@ -102,7 +93,7 @@ def test_any_layout(layout, dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_tf32_forward_and_gradients_are_exact_on_exact_inputs(shape, tf32):
+def test_tf32_forward_and_gradients_are_exact_on_exact_inputs(shape, allow_tf32):
     # Multiples of 1/4 are exact in TF32 too: the tensor-core path must give the exact result.
     leaves, grad_output = exact_case(shape, torch.float32)
     for got, expected in zip(ours(ext.linear, leaves, grad_output), reference(ext.linear, leaves, grad_output),
@@ -110,7 +101,7 @@ def test_tf32_forward_and_gradients_are_exact_on_exact_inputs(shape, tf32):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_tf32_follows_torch_flag_and_matches_cublas_tf32(tf32):
+def test_tf32_follows_torch_flag_and_matches_cublas_tf32(allow_tf32):
     g = torch.Generator(device="cuda").manual_seed(0)
     x, w = torch.randn(256, 1024, device="cuda", generator=g), torch.randn(512, 1024, device="cuda", generator=g)
     exact = x.double() @ w.double().t()

@@ -298,41 +298,32 @@ __global__ void __launch_bounds__(kThreads, kGemmMinBlocksPerSm<T>) gemm_kernel(
   }
 
   // Epilogue: bias and ReLU fused into the one store of C. Tile-relative 32-bit indices and
-  // one row pointer at a time keep the 64 accumulators' neighbours few (no spills).
+  // one row at a time keep the 64 accumulators' neighbours few (no spills).
   const int rows_left = p.a.outer_size - m0 < kBlockM ? int(p.a.outer_size - m0) : kBlockM;
   const int cols_left = p.b.outer_size - n0 < kBlockN ? int(p.b.outer_size - n0) : kBlockN;
-  if (p.partial != nullptr) {  // split-K: this split's sums, as they are
-#pragma unroll
-    for (int i = 0; i < kThreadM; ++i) {
-      const int row = (i / kRun) * kHalfTile + row0 + i % kRun;
-      if (row >= rows_left) continue;
-      Acc* partial_row = p.partial + (int64_t(blockIdx.z) * p.a.outer_size + m0 + row) * p.b.outer_size + n0;
-#pragma unroll
-      for (int j = 0; j < kThreadN; ++j) {
-        const int col = (j / kRun) * kHalfTile + col0 + j % kRun;
-        if (col < cols_left) partial_row[col] = acc[i][j];
-      }
-    }
-    return;
-  }
+  const bool split = p.partial != nullptr;  // split-K: this split's sums as they are, into its partial product
   Acc bias[kThreadN];
 #pragma unroll
   for (int j = 0; j < kThreadN; ++j) {
     const int col = (j / kRun) * kHalfTile + col0 + j % kRun;
-    bias[j] = p.bias != nullptr && col < cols_left ? to_acc(p.bias[n0 + col]) : Acc(0);
+    bias[j] = !split && p.bias != nullptr && col < cols_left ? to_acc(p.bias[n0 + col]) : Acc(0);
   }
 #pragma unroll
   for (int i = 0; i < kThreadM; ++i) {
     const int row = (i / kRun) * kHalfTile + row0 + i % kRun;
     if (row >= rows_left) continue;
-    T* c_row = p.c + (m0 + row) * p.ldc + n0;
+    const int64_t c_row = m0 + row;
 #pragma unroll
     for (int j = 0; j < kThreadN; ++j) {
       const int col = (j / kRun) * kHalfTile + col0 + j % kRun;
       if (col >= cols_left) continue;
+      if (split) {
+        p.partial[(int64_t(blockIdx.z) * p.a.outer_size + c_row) * p.b.outer_size + n0 + col] = acc[i][j];
+        continue;
+      }
       Acc value = acc[i][j] + bias[j];
       if (p.relu && value < Acc(0)) value = Acc(0);  // NaN passes through, as in torch.relu
-      c_row[col] = from_acc<T>(value);
+      p.c[c_row * p.ldc + n0 + col] = from_acc<T>(value);
     }
   }
 }

@@ -286,38 +286,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
   }
 
   // Epilogue: accumulator r of tile (i, j) is C's row group + 8 (r / 2), column 2 (lane % 4) + r % 2
-  // within the tile (the ISA's C fragment); bias and ReLU fused into the one store.
+  // within the tile (the ISA's C fragment); bias and ReLU fused into the one store. Split-K:
+  // this split's sums as they are, into its partial product.
   const int rows_left = p.a.outer_size - m0 < kBlockM ? int(p.a.outer_size - m0) : kBlockM;
   const int cols_left = p.b.outer_size - n0 < kBlockN ? int(p.b.outer_size - n0) : kBlockN;
+  const bool split = p.partial != nullptr;
   const int group = lane >> 2;
   const int col_in_tile = 2 * (lane & 3);
-  if (p.partial != nullptr) {  // split-K: this split's sums, as they are
-#pragma unroll
-    for (int i = 0; i < kTilesM; ++i) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp_m0 + i * kMmaM + group + 8 * half;
-        if (row >= rows_left) continue;
-        float* partial_row = p.partial + (int64_t(blockIdx.z) * p.a.outer_size + m0 + row) * p.b.outer_size + n0;
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int col = warp_n0 + j * kMmaN + col_in_tile + c;
-            if (col < cols_left) partial_row[col] = acc[i][j][2 * half + c];
-          }
-        }
-      }
-    }
-    return;
-  }
   float bias[kTilesN][2];
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int col = warp_n0 + j * kMmaN + col_in_tile + c;
-      bias[j][c] = p.bias != nullptr && col < cols_left ? to_acc(p.bias[n0 + col]) : 0.0f;
+      bias[j][c] = !split && p.bias != nullptr && col < cols_left ? to_acc(p.bias[n0 + col]) : 0.0f;
     }
   }
 #pragma unroll
@@ -326,16 +308,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
     for (int half = 0; half < 2; ++half) {
       const int row = warp_m0 + i * kMmaM + group + 8 * half;
       if (row >= rows_left) continue;
-      T* c_row = p.c + (m0 + row) * p.ldc + n0;
+      const int64_t c_row = m0 + row;
 #pragma unroll
       for (int j = 0; j < kTilesN; ++j) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int col = warp_n0 + j * kMmaN + col_in_tile + c;
           if (col >= cols_left) continue;
-          float value = acc[i][j][2 * half + c] + bias[j][c];
+          float value = acc[i][j][2 * half + c];
+          if (split) {
+            p.partial[(int64_t(blockIdx.z) * p.a.outer_size + c_row) * p.b.outer_size + n0 + col] = value;
+            continue;
+          }
+          value += bias[j][c];
           if (p.relu && value < 0.0f) value = 0.0f;  // NaN passes through, as in torch.relu
-          c_row[col] = from_acc<T>(value);
+          p.c[c_row * p.ldc + n0 + col] = from_acc<T>(value);
         }
       }
     }
