@@ -134,3 +134,15 @@ def test_float64_never_takes_tf32(ops, allow_tf32):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(9, 20, generator=g, dtype=torch.float64), torch.randn(7, 20, generator=g, dtype=torch.float64)
     torch.testing.assert_close(ops.linear(x, w, None), x @ w.t(), rtol=1e-14, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_runs_through_the_host_code_exactly(ops, dtype):
+    # A 3 x 5 output reduced over 1500: split-K (split_k.cuh), its partials allocated by the host code.
+    x, w, b, dy = (quarters(*shape, dtype=dtype, seed=seed) for seed, shape in
+                   enumerate([(3, 1500), (5, 1500), (5,), (3, 5)]))
+    x64, w64, b64 = (t.double() for t in (x, w, b))
+    torch.testing.assert_close(ops.linear_relu(x, w, b), F.linear(x64, w64, b64).relu().to(dtype), rtol=0, atol=0)
+    dy_long = quarters(1500, 5, dtype=dtype, seed=9)  # dW reduces over the batch: 1500 rows
+    torch.testing.assert_close(ops.linear_backward_weight(dy_long, w.t().contiguous()),
+                               (dy_long.double().t() @ w64.t()).to(dtype), rtol=0, atol=0)
