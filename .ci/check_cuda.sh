@@ -83,8 +83,8 @@ def blocks_per_sm(arch, regs, shared):
 
 shared_bytes = dict(line.rsplit(" ", 1) for line in (out / "shared_bytes.txt").read_text().splitlines())
 failures = []
-print(f"  {'arch':<6} {'regs':>4} {'spill B':>7} {'shared B':>8} {'blocks/SM':>9} {'HMMA':>5} {'LDSM':>5} {'LDGSTS':>6} "
-      f"{'FFMA':>5} {'DFMA':>5}  kernel")
+print(f"  {'arch':<6} {'regs':>4} {'spill B':>7} {'shared B':>8} {'blocks/SM':>9} {'HMMA':>5} {'LDSM':>5} "
+      f"{'LDGSTS':>6} {'FFMA':>5} {'DFMA':>5}  kernel")
 for ptxas in sorted(out.glob("*.o.ptxas")):
     kernel = arch = ""
     rows = []
@@ -119,5 +119,6 @@ for failure in failures:
     print(f"check_cuda: FAIL: {failure}", file=sys.stderr)
 sys.exit(1 if failures else 0)
 PY
-echo "check_cuda: $([[ $status == 0 ]] && echo "OK: no spills, 2+ blocks per SM, HMMA in the 16-bit GEMMs" || echo FAILED) (${#SOURCES[@]} file(s), $((SECONDS - start_s)) s)"
+verdict=$([[ $status == 0 ]] && echo "OK: no spills, 2+ blocks per SM, HMMA in the 16-bit GEMMs" || echo FAILED)
+echo "check_cuda: $verdict (${#SOURCES[@]} file(s), $((SECONDS - start_s)) s)"
 exit $status

@@ -74,7 +74,7 @@ if "$PYTHON" -c "import hydra" 2>/dev/null; then
   step bench_train_float32 "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_float32.md"
   step bench_train_amp "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_amp.md" trainer.amp=true
 else
-  echo "## bench_train: skipped (hydra-core is not installed and .whl/ holds no wheels for it; see scripts/gpu_day.sh)" >> "$REPORT"
+  echo "## bench_train: skipped (no hydra-core, and no wheels for it in .whl/: see scripts/gpu_day.sh)" >> "$REPORT"
   failed+=(bench_train)
 fi
 

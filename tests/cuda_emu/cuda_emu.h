@@ -192,7 +192,8 @@ class Block {
   Block(dim3 index, unsigned num_threads, size_t shared_bytes)
       : index_(index), num_threads_(num_threads), shared_bytes_(shared_bytes) {
     for (unsigned first = 0; first < num_threads; first += Warp::kLanes) {
-      warps_.push_back(std::make_unique<Warp>(first / Warp::kLanes, std::min<unsigned>(Warp::kLanes, num_threads - first)));
+      const unsigned lanes = std::min<unsigned>(Warp::kLanes, num_threads - first);
+      warps_.push_back(std::make_unique<Warp>(first / Warp::kLanes, lanes));
     }
     if (shared_bytes > 0) {  // exactly the launch's size, so AddressSanitizer sees any access past it
       shared_ = static_cast<unsigned char*>(::operator new(shared_bytes, std::align_val_t(128)));

@@ -167,8 +167,12 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
 
 inline void cp_async(int size, void* dst, const void* src, int src_bytes) {
   const std::string name = "cp.async (" + std::to_string(size) + " bytes)";
-  if (reinterpret_cast<uintptr_t>(dst) % size != 0) emu::fail(name + ": a destination address is not " + std::to_string(size) + "-byte aligned");
-  if (!emu::running_block->in_shared_memory(dst, size_t(size))) emu::fail(name + ": a destination is outside the block's shared memory");
+  if (reinterpret_cast<uintptr_t>(dst) % size != 0) {
+    emu::fail(name + ": a destination address is not " + std::to_string(size) + "-byte aligned");
+  }
+  if (!emu::running_block->in_shared_memory(dst, size_t(size))) {
+    emu::fail(name + ": a destination is outside the block's shared memory");
+  }
   if (reinterpret_cast<uintptr_t>(src) % size != 0) {
     emu::fail("cp.async: a source address is not " + std::to_string(size) + "-byte aligned");
   }
@@ -207,16 +211,19 @@ template <typename V, typename Source>
 V shuffle(const char* instruction, unsigned mask, V value, int width, Source source) {
   static_assert(sizeof(V) <= 8 && std::is_trivially_copyable_v<V>);
   if (mask != 0xffffffffu) fail(std::string(instruction) + ": the emulation supports full-warp masks only");
-  if (width <= 0 || width > 32 || (width & (width - 1)) != 0) fail(std::string(instruction) + ": width must be a power of 2 up to 32");
+  if (width <= 0 || width > 32 || (width & (width - 1)) != 0) {
+    fail(std::string(instruction) + ": width must be a power of 2 up to 32");
+  }
   Warp::Words mine{};
   std::memcpy(mine.data(), &value, sizeof(V));
-  const auto result = this_warp().exchange(instruction, this_lane(), mine, [&](const Warp::Lanes& in, Warp::Lanes& out) {
+  const auto deal = [&](const Warp::Lanes& in, Warp::Lanes& out) {
     for (int lane = 0; lane < 32; ++lane) {
       const int segment = lane & ~(width - 1);
       const int from = source(lane);
       out[lane] = from >= segment && from < segment + width ? in[from] : in[lane];
     }
-  });
+  };
+  const auto result = this_warp().exchange(instruction, this_lane(), mine, deal);
   V received;
   std::memcpy(&received, result.data(), sizeof(V));
   return received;

@@ -64,7 +64,8 @@ inline TileOperand<T> make_tile_operand(const T* ptr, int64_t outer_size, int64_
   const int64_t run_stride = runs_along_k ? k_stride : outer_stride;
   const int64_t between_runs_stride = runs_along_k ? outer_stride : k_stride;
 #if defined(EMU_BREAK_ALIGNMENT)
-  const auto aligned_runs = [&](int64_t) { return run_stride == 1 && between_runs_stride != 0; };  // alignment unchecked
+  // the pointer's alignment left unchecked
+  const auto aligned_runs = [&](int64_t) { return run_stride == 1 && between_runs_stride != 0; };
 #else
   const auto aligned_runs = [&](int64_t align_bytes) {
     return run_stride == 1 && reinterpret_cast<uintptr_t>(ptr) % align_bytes == 0 &&

@@ -1,24 +1,25 @@
-// The tensor-core GEMM for float16 and bfloat16: gemm_kernel's contract (gemm.cuh: the same
-// GemmParams, any sizes, strides and alignment, bias and ReLU fused), with the products on the
-// tensor cores: mma.sync m16n8k16, float32 accumulators, one rounding to the 16-bit type at
-// the store.
+// The tensor-core GEMM, for float16 and bfloat16 and for float32 as TF32 (when torch allows
+// it: gemm_launch.cuh): gemm_kernel's contract (gemm.cuh: the same GemmParams, any sizes,
+// strides and alignment, bias and ReLU fused, split-K), with the products on the tensor cores:
+// mma.sync m16n8k16 (m16n8k8 for TF32), float32 accumulators, one rounding at the store.
 //
 // Tiles. A block computes 128 x 128 of C with 8 warps in a 2 x 4 grid, each warp 64 x 32:
 // 4 x 4 mma tiles of 16 x 8, so 64 float32 accumulators a thread. Per 16-deep step a warp
 // loads 4 A and 4 B fragments (6 ldmatrix.x4) for 16 mma: each fragment feeds 4 mma.
 //
-// Pipeline. K goes by 32 through a 3-stage cp.async pipeline: while the tensor cores work on
-// one stage, the copies of the next two are in flight. Per K tile: wait for the oldest group,
-// one barrier (which both publishes that stage and retires the stage read last time), issue
-// the copies into the retired stage, multiply. 3 stages x (A + B) x 128 x 32 x 2 bytes = 48 KiB
-// of shared memory and at most 128 registers a thread: 2 blocks per SM on sm_80 and sm_90.
+// Pipeline. K goes by 32 (16 for TF32) through a 3-stage cp.async pipeline: while the tensor
+// cores work on one stage, the copies of the next two are in flight. Per K tile: wait for the
+// oldest group, one barrier (which both publishes that stage and retires the stage read last
+// time), issue the copies into the retired stage, multiply. 3 stages x (A + B) x 128 x 64 bytes
+// = 48 KiB of shared memory and at most 128 registers a thread: 2 blocks per SM on sm_80 and sm_90.
 //
 // Orientation. Shared memory keeps each operand's tile in the orientation it has in global
 // memory, so every copy is 16 contiguous bytes: K-major ([outer][k], 4 chunks of 8 elements a
 // row) when k is contiguous, outer-major ([k][outer], 16 chunks a row) when the outer index
 // is. ldmatrix reads a K-major tile straight into mma fragments and an outer-major one with
 // .trans, so dX's Wᵀ and dW's dYᵀ and Xᵀ are read transposed with no copy. Operands that are
-// neither contiguous nor 16-byte aligned take scalar loads into the same tiles.
+// neither contiguous nor 16-byte aligned take scalar loads into the same tiles. ldmatrix cannot
+// transpose 32-bit elements: TF32 operands that are not K-major are transposed on the way in.
 //
 // Bank conflicts. The 16-byte chunks are XOR-swizzled within a row so that the 8 rows one
 // ldmatrix reads land in 8 different 16-byte bank groups (swizzled_offset below), with no padding.
@@ -115,7 +116,8 @@ struct alignas(16) Chunk {
 // elements, consecutive threads reading consecutive addresses, stored K-major. Operands that are
 // not contiguous and 16-byte aligned (TileOperand::chunk_loads) go through registers instead.
 template <typename T, bool k_major>
-__device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t outer0, int64_t k0, int64_t k_end, T* tile) {
+__device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t outer0, int64_t k0, int64_t k_end,
+                                          T* tile) {
   if constexpr (!k_major && sizeof(T) == 4) {  // float: element by element, transposed
     // Thread t copies column t % 128 at 8 consecutive k, from k = 8 (t / 128): one pointer walked
     // down the column, into two shared chunks (64-bit offsets per element, or a swizzled chunk per
@@ -151,8 +153,9 @@ __device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t oute
   const int run_valid = run_left <= 0 ? 0 : run_left >= chunk_size ? chunk_size : int(run_left);
   const T* src = op.ptr + (outer0 + (k_major ? first_row : along)) * op.outer_stride +
                  (k0 + (k_major ? along : first_row)) * op.k_stride;
+  const int end_row = first_row + kChunksPerThread<T> * row_step;
 #pragma unroll
-  for (int row = first_row; row < first_row + kChunksPerThread<T> * row_step; row += row_step, src += row_step * row_stride) {
+  for (int row = first_row; row < end_row; row += row_step, src += row_step * row_stride) {
     const int valid = row < rows_left ? run_valid : 0;
     T* dst = tile + (k_major ? swizzled_offset<T>(true, row, along) : swizzled_offset<T>(false, along, row));
     if (op.chunk_loads) {
