@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Property tests: no per-example deadline (the machine is shared and noisy);
 # in CI the examples are derandomised so a failure reproduces exactly.
@@ -66,3 +67,15 @@ def tf32_round(x):
     bits = x.float().contiguous().view(torch.int32).long() & 0xFFFFFFFF  # as unsigned
     rounded = (bits + 0x1000) & 0xFFFFE000  # finite inputs only: no carry into infinity here
     return (rounded - ((rounded >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+class OpLog(TorchDispatchMode):
+    """Records the name of every op that runs inside the block, in order (`with OpLog() as log:`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import ext
-from conftest import assert_within_rounding, num_threads
+from conftest import OpLog, assert_within_rounding, num_threads
 
 
 def with_grads(x, w, b):
@@ -266,7 +266,7 @@ def test_double_backward_is_refused_in_one_line():
 
 def test_a_cuda_tensor_gets_one_line_saying_what_to_use():
     if not torch.cuda.is_available():  # the op's CUDA registration, reached through the dispatcher
-        with pytest.raises(RuntimeError) as error:
+        with pytest.raises(RuntimeError):
             torch.ops.ext.conv2d(torch.empty(1, 1, 3, 3, device="meta"), torch.empty(1, 1, 1, 1, device="meta"),
                                  None, [1, 1], [0, 0, 0, 0], [1, 1]).cpu()
         pytest.skip("no GPU here: the CUDA refusal is checked where one is")
@@ -389,28 +389,17 @@ def test_a_resnet_trains_the_same_with_either_convolution():
 
 def test_a_pointwise_convolution_in_channels_last_is_our_linear_op():
     """1x1, stride 1, no padding, channels_last input: ext.linear on the (N·H·W) x C rows, no copies."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.called = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.called.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     x = torch.randn(3, 16, 7, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
     w, b = torch.randn(24, 16, 1, 1, dtype=torch.float64), torch.randn(24, dtype=torch.float64)
     y = assert_matches_torch(x, w, b)
     assert y.is_contiguous(memory_format=torch.channels_last)
-    with Ops() as ops:
+    with OpLog() as log:
         ext.conv2d(x, w, b)
-    assert "ext.linear" in ops.called and "ext.conv2d" not in ops.called and "aten.clone" not in ops.called
-    with Ops() as ops:  # NCHW, or any other kernel, goes through the convolution
+    assert "ext.linear" in log.ops and "ext.conv2d" not in log.ops and "aten.clone" not in log.ops
+    with OpLog() as log:  # NCHW, or any other kernel, goes through the convolution
         ext.conv2d(x.contiguous(), w, b)
         ext.conv2d(x, w, b, stride=2)
-    assert ops.called.count("ext.conv2d") == 2 and "ext.linear" not in ops.called
+    assert log.ops.count("ext.conv2d") == 2 and "ext.linear" not in log.ops
 
 
 def test_torch_export_records_our_op():

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ext
-from conftest import assert_within_rounding, num_threads
+from conftest import OpLog, assert_within_rounding, num_threads
 
 
 def edge_sizes(*edges):
@@ -255,18 +254,6 @@ def test_gradcheck_n_d_input():
     input = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(ext.linear, (input, weight, None))
-
-
-class OpLog(TorchDispatchMode):
-    """Records the name of every op that runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
