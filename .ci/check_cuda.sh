@@ -67,9 +67,14 @@ SM = {"sm_80": {"regs": 65536, "shared": 164 * 1024, "reserved": 1024, "max_thre
 THREADS = 256  # kThreads in kernel_common.cuh: every kernel's block
 
 
+PRODUCTS = ["forward", "backward_input", "backward_weight"]  # conv.cuh's ConvProduct, in order
+
+
 def demangle(name):
     text = subprocess.run(["c++filt", name], capture_output=True, text=True).stdout.strip()
-    return text.split("(")[0].removeprefix("void ")
+    text = text[:text.index(">(") + 1] if ">(" in text else text.split("(")[0]  # without the parameter list
+    text = re.sub(r"\(ext::cuda::ConvProduct\)(\d)", lambda m: PRODUCTS[int(m[1])], text)
+    return text.removeprefix("void ")
 
 
 def blocks_per_sm(arch, regs, shared):
@@ -98,7 +103,8 @@ for ptxas in sorted(out.glob("*.o.ptxas")):
             kernel = ""
     for arch, mangled, regs, spilled in sorted(rows):
         name = demangle(mangled)
-        kernel_type = re.sub(r", (true|false)", "", name)  # orientation arguments share their type's shared memory
+        # orientation and product arguments share their type's shared memory
+        kernel_type = re.sub(r", (true|false|forward|backward_input|backward_weight)", "", name)
         sass = (Path(str(ptxas).removesuffix(".ptxas")).with_suffix(f".o.{arch}.sass")).read_text()
         body = sass.split(f"Function : {mangled}")[1].split("Function :")[0] if f"Function : {mangled}" in sass else ""
         counts = {op: len(re.findall(rf"\b{op}\b", body)) for op in ("HMMA", "LDSM", "LDGSTS", "FFMA", "DFMA")}
@@ -111,7 +117,7 @@ for ptxas in sorted(out.glob("*.o.ptxas")):
               f"{counts['LDGSTS']:>6} {counts['FFMA']:>5} {counts['DFMA']:>5}  {name}")
         if spilled:
             failures.append(f"{name} on {arch}: {spilled} bytes of register spills")
-        if blocks < 2 and "<double>" not in name:
+        if blocks < 2 and not re.search(r"<double[,>]", name):
             failures.append(f"{name} on {arch}: {blocks} block(s) per SM, fewer than 2")
         if "gemm_kernel<__" in name and counts["HMMA"] == 0:
             failures.append(f"{name} on {arch}: a 16-bit GEMM without tensor-core instructions (HMMA)")

@@ -1,6 +1,7 @@
 // Prints each CUDA kernel's dynamic shared memory per block, as the host code launches it, for
 // .ci/check_cuda.sh's occupancy figures (ptxas reports static shared memory only). Host code:
 // compiled by nvcc and run here, no GPU needed. A kernel missing from this list fails the check.
+#include "../ext/csrc/cuda/conv.cuh"
 #include "../ext/csrc/cuda/gemm_launch.cuh"
 #include "../ext/csrc/cuda/sum_rows.cuh"
 
@@ -21,5 +22,14 @@ int main() {
   for (const char* type : {"float", "double", "__half", "__nv_bfloat16"}) {
     std::printf("ext::cuda::split_k_reduce_kernel<%s> 0\n", type);  // no shared memory
   }
+  // conv_kernel's products share their type's shared memory (check_cuda.sh drops the product).
+  std::printf("ext::cuda::conv_kernel<float> %zu\n", kConvSharedBytes<float>);
+  std::printf("ext::cuda::conv_kernel<double> %zu\n", kConvSharedBytes<double>);
+  std::printf("ext::cuda::conv_kernel<__half> %zu\n", kConvSharedBytes<__half>);
+  std::printf("ext::cuda::conv_kernel<__nv_bfloat16> %zu\n", kConvSharedBytes<__nv_bfloat16>);
+  std::printf("ext::cuda::sum_channels_kernel<float> %zu\n", kSumChannelsSharedBytes<float>);
+  std::printf("ext::cuda::sum_channels_kernel<double> %zu\n", kSumChannelsSharedBytes<double>);
+  std::printf("ext::cuda::sum_channels_kernel<__half> %zu\n", kSumChannelsSharedBytes<__half>);
+  std::printf("ext::cuda::sum_channels_kernel<__nv_bfloat16> %zu\n", kSumChannelsSharedBytes<__nv_bfloat16>);
   return 0;
 }

@@ -39,4 +39,29 @@ inline const c10::TypedOperatorHandle<BackwardBiasSignature>& backward_bias() {
   return op;
 }
 
+using ConvSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                 c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef);
+using ConvGradSignature = at::Tensor(const at::Tensor&, const at::Tensor&, c10::IntArrayRef, c10::IntArrayRef,
+                                     c10::IntArrayRef, c10::IntArrayRef);
+
+inline const c10::TypedOperatorHandle<ConvSignature>& conv2d() {
+  static const auto op = find<ConvSignature>("ext::conv2d");
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<ConvGradSignature>& conv2d_backward_input() {
+  static const auto op = find<ConvGradSignature>("ext::conv2d_backward_input");
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<ConvGradSignature>& conv2d_backward_weight() {
+  static const auto op = find<ConvGradSignature>("ext::conv2d_backward_weight");
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<BackwardBiasSignature>& conv2d_backward_bias() {
+  static const auto op = find<BackwardBiasSignature>("ext::conv2d_backward_bias");
+  return op;
+}
+
 }  // namespace ext::handles

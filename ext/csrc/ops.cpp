@@ -162,7 +162,7 @@ void dense_only(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // The ops that take tensors; the path and peak ops take none.
 constexpr const char* kTensorOps[] = {"linear", "linear_relu", "linear_backward_input", "linear_backward_weight",
                                       "linear_backward_bias"};
-// The convolution's (conv_ops.cpp), which has no CUDA kernels yet and says so itself.
+// The convolution's (conv_ops.cpp, cuda/conv_cuda.cu).
 constexpr const char* kConvOps[] = {"conv2d", "conv2d_backward_input", "conv2d_backward_weight",
                                     "conv2d_backward_bias"};
 
@@ -227,6 +227,7 @@ TORCH_LIBRARY_IMPL(ext, AutocastCPU, m) {
 #ifndef LINEAR_LAB_WITH_CUDA
 TORCH_LIBRARY_IMPL(ext, CUDA, m) {
   for (const char* name : kTensorOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  for (const char* name : kConvOps) m.impl(name, torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 #endif
 

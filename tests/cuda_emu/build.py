@@ -3,9 +3,9 @@ once per variant, cached by a hash of the sources and flags.
 
 Variants: "plain", ThreadSanitizer "tsan", AddressSanitizer (with the alignment check)
 "asan", and the deliberately broken kernels ("break_*"), made by the EMU_BREAK_* switches
-in ext/csrc/cuda/gemm.cuh and gemm_tc.cuh, each under the tool that must catch it.
+in ext/csrc/cuda/gemm.cuh, gemm_tc.cuh and conv.cuh, each under the tool that must catch it.
 
-Also the CUDA ops' host code (host_ops.cpp with ext/csrc/cuda/linear_host.h) as a torch
+Also the CUDA ops' host code (host_ops.cpp with ext/csrc/cuda/linear_host.h and conv_host.h) as a torch
 extension: host_ops_library().
 
 Example:
@@ -37,6 +37,8 @@ VARIANT_FLAGS = {
     "break_wait_group": ["-O2", "-DEMU_BREAK_WAIT_GROUP"],
     "break_fragment": ["-O2", "-DEMU_BREAK_FRAGMENT"],
     "break_stage_barrier": [*_TSAN, "-DEMU_BREAK_STAGE_BARRIER"],
+    "break_padding": [*_ASAN, "-DEMU_BREAK_PADDING"],
+    "break_table_barrier": [*_TSAN, "-DEMU_BREAK_TABLE_BARRIER"],
 }
 
 
@@ -47,7 +49,7 @@ def build_root() -> Path:
 
 def _sources() -> list[Path]:
     return sorted([*EMU_DIR.glob("*.h"), *EMU_DIR.glob("*.cpp"), *KERNEL_DIR.glob("*.cuh"), *KERNEL_DIR.glob("*.h"),
-                   *KERNEL_DIR.parent.glob("*.h")])
+                   *KERNEL_DIR.parent.glob("*.h"), KERNEL_DIR.parent / "cpu" / "conv.h"])
 
 
 def _digest(flags) -> str:

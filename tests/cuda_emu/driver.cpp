@@ -13,6 +13,12 @@
 //   backward_bias DY                       db = rows of dY summed (N)
 //   to_dtype SRC                           SRC (float32) rounded to DTYPE (float16 or bfloat16)
 //   to_float SRC                           SRC (DTYPE) widened to float32
+//   conv_forward SHAPE X W [BIAS]          Y  = conv2d(X, W) + b            (N x K x OH x OW)
+//   conv_backward_input SHAPE DY W         dX                               (N x C x H x W)
+//   conv_backward_weight SHAPE DY X        dW                               (K x C x R x S)
+//   conv_backward_bias SHAPE DY            db                               (K)
+//     SHAPE = N,C,H,W,K,R,S,STRIDE_H,STRIDE_W,DILATION_H,DILATION_W,PAD_TOP,PAD_LEFT,OH,OW, and the
+//     tensors are raw contiguous files (exactly their size: AddressSanitizer sees any overrun)
 //   constants                              prints the kernels' tile sizes as NAME=VALUE lines
 //                                          (DTYPE and OUT_FILE are ignored), so tests never copy them
 //
@@ -27,6 +33,7 @@
 // BIAS is an N x 1 operand. GEMM ops print which operands took the wide-load path.
 #include "cuda_emu.h"
 
+#include "conv.cuh"
 #include "gemm_launch.cuh"
 #include "sum_rows.cuh"
 #include "warp_kernels.h"
@@ -152,6 +159,76 @@ void run_op(std::string_view op, const std::string& out_path, const std::vector<
   write_elements(out_path, out);
 }
 
+template <typename T>
+std::vector<T> read_tensor(const std::string& path) {
+  const std::vector<char> bytes = read_bytes(path);
+  std::vector<T> values(bytes.size() / sizeof(T));
+  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+  return values;
+}
+
+ext::cuda::ConvShape parse_conv_shape(const std::string& spec) {
+  std::istringstream fields(spec);
+  int values[15];
+  for (int& value : values) {
+    std::string field;
+    if (!std::getline(fields, field, ',')) fail("SHAPE needs 15 numbers (driver.cpp): " + spec);
+    value = std::stoi(field);
+  }
+  return {values[0], values[1], values[2], values[3], values[4], values[5], values[6], values[7],
+          values[8], values[9], values[10], values[11], values[12], values[13], values[14]};
+}
+
+// The convolution's four ops through conv.cuh's launches, as conv_host.h makes them (but for
+// its argument checks and the empty-output return, which tests/test_cuda_host.py covers).
+template <typename T>
+void run_conv(std::string_view op, const std::string& out_path, const std::vector<std::string>& args) {
+  if (args.size() < 2) fail(std::string(op) + " takes SHAPE and its tensors' files");
+  const ext::cuda::ConvShape s = parse_conv_shape(args[0]);
+  std::vector<std::vector<T>> tensors;
+  for (size_t i = 1; i < args.size(); ++i) tensors.push_back(read_tensor<T>(args[i]));
+  const int64_t out_pixels = int64_t(s.batch) * s.out_h * s.out_w;
+  std::vector<T> out;
+  if (op == "conv_forward") {
+    out.resize(size_t(out_pixels * s.out_channels));
+    const T* bias = tensors.size() > 2 ? tensors[2].data() : nullptr;
+    if (!out.empty()) ext::cuda::launch_conv_forward<EmulatedDevice>(s, tensors[0].data(), tensors[1].data(), bias,
+                                                                      out.data());
+  } else if (op == "conv_backward_input") {
+    // W (K x C x R x S) permuted to C x R x S x K, as the host code does with at::Tensor::permute.
+    const int64_t K = s.out_channels, C = s.in_channels, taps = int64_t(s.kernel_h) * s.kernel_w;
+    std::vector<T> permuted(tensors[1].size());
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t t = 0; t < taps; ++t) permuted[(c * taps + t) * K + k] = tensors[1][(k * C + c) * taps + t];
+    out.resize(size_t(int64_t(s.batch) * C * s.height * s.width));
+    if (!out.empty()) ext::cuda::launch_conv_backward_input<EmulatedDevice>(s, tensors[0].data(), permuted.data(),
+                                                                             out.data());
+  } else if (op == "conv_backward_weight") {
+    out.resize(size_t(int64_t(s.out_channels) * s.in_channels * s.kernel_h * s.kernel_w));
+    std::vector<ext::cuda::acc_t<T>> partials;
+    const auto allocate = [&](int64_t elements) {
+      partials.resize(size_t(elements));
+      return partials.data();
+    };
+    if (!out.empty()) ext::cuda::launch_conv_backward_weight<EmulatedDevice>(s, tensors[0].data(), tensors[1].data(),
+                                                                              out.data(), emu::sm_count(), allocate);
+    std::printf("conv_backward_weight splits=%zu\n", partials.empty() ? 1 : partials.size() / out.size());
+  } else if (op == "conv_backward_bias") {
+    out.resize(size_t(s.out_channels));
+    if (!out.empty()) ext::cuda::launch_conv_backward_bias<EmulatedDevice>(s, tensors[0].data(), out.data());
+  } else {
+    fail("unknown op " + std::string(op));
+  }
+  write_elements(out_path, out);
+}
+
+template <typename T>
+void run_any_op(std::string_view op, const std::string& out_path, const std::vector<std::string>& specs) {
+  if (op.starts_with("conv_")) return run_conv<T>(op, out_path, specs);
+  run_op<T>(op, out_path, specs);
+}
+
 // The emulated 16-bit conversions, checked against PyTorch's by the tests.
 template <typename T, typename Narrow, typename Widen>
 void run_conversion(std::string_view op, const std::string& out_path, const std::string& in_path,
@@ -272,13 +349,13 @@ int main(int argc, char** argv) {
   }
   if (dtype == "float32" || dtype == "tf32") {
     g_allow_tf32 = dtype == "tf32";
-    run_op<float>(op, out_path, specs);
+    run_any_op<float>(op, out_path, specs);
   } else if (dtype == "float64") {
-    run_op<double>(op, out_path, specs);
+    run_any_op<double>(op, out_path, specs);
   } else if (dtype == "float16") {
-    run_op<__half>(op, out_path, specs);
+    run_any_op<__half>(op, out_path, specs);
   } else if (dtype == "bfloat16") {
-    run_op<__nv_bfloat16>(op, out_path, specs);
+    run_any_op<__nv_bfloat16>(op, out_path, specs);
   } else {
     fail("unknown dtype " + std::string(dtype));
   }

@@ -1,15 +1,17 @@
-// The CUDA ops' host code (ext/csrc/cuda/linear_host.h, the very code linear_cuda.cu runs)
+// The CUDA ops' host code (ext/csrc/cuda/linear_host.h and conv_host.h, the very code linear_cuda.cu
+// and conv_cuda.cu run)
 // on the CPU: its kernels launched through cuda_emu.h, registered as the ops of a library of
-// their own, ext_cuda_emu, for CPU tensors. tests/test_cuda_host.py builds this file as a torch
+// their own, ext_cuda_emu, for CPU tensors. tests/test_cuda_host.py (and test_conv.py) build this file as a torch
 // extension and calls the ops: dtype dispatch, checks, the empty-output return, the bias made
 // contiguous, the launch-size check and the autocast rule, all without a GPU.
 //
 // What stays CUDA-only (and is compiled, not run, by the CPU tests): the CUDAGuard, the stream
-// and the <<<>>> launch in linear_cuda.cu's CudaDevice.
+// and the <<<>>> launch in cuda_device.h's CudaDevice.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "cuda_emu.h"  // before the kernel headers
+#include "conv_host.h"
 #include "linear_host.h"
 
 #include <string>
@@ -40,9 +42,18 @@ struct EmulatedDevice {
         c10::Dispatcher::singleton().findSchemaOrThrow("ext_cuda_emu::linear_relu", "").typed<LinearSignature>();
     return relu ? fused : plain;
   }
+
+  using ConvSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                   c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef);
+  static const c10::TypedOperatorHandle<ConvSignature>& conv2d_op() {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("ext_cuda_emu::conv2d", "").typed<ConvSignature>();
+    return op;
+  }
 };
 
 using Host = ext::cuda::LinearHost<EmulatedDevice>;
+using ConvHost = ext::cuda::ConvHost<EmulatedDevice>;
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   return Host::linear(input, weight, bias, /*relu=*/false);
@@ -63,6 +74,12 @@ TORCH_LIBRARY(ext_cuda_emu, m) {
   m.def("linear_backward_input(Tensor grad_output, Tensor weight) -> Tensor");
   m.def("linear_backward_weight(Tensor grad_output, Tensor input) -> Tensor");
   m.def("linear_backward_bias(Tensor grad_output) -> Tensor");
+  m.def("conv2d(Tensor input, Tensor weight, Tensor? bias, int[2] stride, int[4] padding, int[2] dilation) -> Tensor");
+  m.def("conv2d_backward_input(Tensor grad_output, Tensor weight, int[4] input_size, int[2] stride, int[4] padding, "
+        "int[2] dilation) -> Tensor");
+  m.def("conv2d_backward_weight(Tensor grad_output, Tensor input, int[4] weight_size, int[2] stride, "
+        "int[4] padding, int[2] dilation) -> Tensor");
+  m.def("conv2d_backward_bias(Tensor grad_output) -> Tensor");
   m.def("last_guarded_device() -> str", &last_guarded_device);
 }
 
@@ -72,9 +89,14 @@ TORCH_LIBRARY_IMPL(ext_cuda_emu, CPU, m) {
   m.impl("linear_backward_input", &Host::backward_input);
   m.impl("linear_backward_weight", &Host::backward_weight);
   m.impl("linear_backward_bias", &Host::backward_bias);
+  m.impl("conv2d", &ConvHost::conv2d);
+  m.impl("conv2d_backward_input", &ConvHost::backward_input);
+  m.impl("conv2d_backward_weight", &ConvHost::backward_weight);
+  m.impl("conv2d_backward_bias", &ConvHost::backward_bias);
 }
 
 TORCH_LIBRARY_IMPL(ext_cuda_emu, AutocastCPU, m) {
   m.impl("linear", &Host::linear_autocast<false>);
   m.impl("linear_relu", &Host::linear_autocast<true>);
+  m.impl("conv2d", &ConvHost::conv2d_autocast);
 }
