@@ -7,8 +7,11 @@ the backward and both, alternating torch and ext in one process as bench.linear 
 same columns: the ratio torch/ext with its range over the rounds, ext's share of the measured FMA peak),
 then the geometric mean of the ratios.
 
+With --cuda, the same shapes on the GPU against cuDNN, in float32 and bfloat16 (no FMA peak column).
+
 Example:
     python -m bench.conv --threads 2,1 --markdown bench_conv.md
+    python -m bench.conv --cuda --markdown bench_conv_cuda.md
     python -m bench.conv --quick --threads 2
     python -m bench.conv --shapes '64->64@32k3s1,256->1024@8k1s1' --batch 64
 """
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as `python bench/conv.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
-from bench.linear import (compare, fma_peak_gflops, geomean, geomean_text, parse_threads,  # noqa: E402
+from bench.linear import (compare, fma_peak_gflops, geomean_text, parse_threads,  # noqa: E402
                           ratio_range, time_interleaved)
 from bench.machine import command_line, describe_cpu  # noqa: E402
 from trainer import memory  # noqa: E402
@@ -82,14 +84,15 @@ def statements(conv, x, w, dy, inputs):
     }
 
 
-def bench_shape(shape: ConvShape, batch: int, min_run_time_s: float, rounds: int):
+def bench_shape(shape: ConvShape, batch: int, min_run_time_s: float, rounds: int, device="cpu",
+                dtype=torch.float32):
     """[(pass, Row from bench.linear.compare)] for one shape; Row.shape is unused here."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, shape.in_channels, shape.size, shape.size, generator=gen)
+    x = torch.randn(batch, shape.in_channels, shape.size, shape.size, generator=gen).to(device, dtype)
     x.requires_grad_(shape.needs_input_grad)
     w = (torch.randn(shape.out_channels, shape.in_channels, shape.kernel, shape.kernel, generator=gen)
-         / (shape.in_channels * shape.kernel ** 2) ** 0.5).requires_grad_()
-    dy = torch.randn(batch, shape.out_channels, shape.out_size, shape.out_size, generator=gen)
+         / (shape.in_channels * shape.kernel ** 2) ** 0.5).to(device, dtype).requires_grad_()
+    dy = torch.randn(batch, shape.out_channels, shape.out_size, shape.out_size, generator=gen).to(device, dtype)
     inputs = (x, w) if shape.needs_input_grad else (w,)
 
     def conv_of(fn):
@@ -99,7 +102,7 @@ def bench_shape(shape: ConvShape, batch: int, min_run_time_s: float, rounds: int
     rows = []
     for pass_name in ours:
         times, faults = time_interleaved({"torch": theirs[pass_name], "ext": ours[pass_name]}, min_run_time_s, rounds)
-        rows.append((pass_name, compare(pass_name, (0, 0, 0), "cpu", "", None, times["torch"], times["ext"],
+        rows.append((pass_name, compare(pass_name, (0, 0, 0), device, "", None, times["torch"], times["ext"],
                                         (faults["torch"], faults["ext"]))))
     return rows
 
@@ -107,7 +110,26 @@ def bench_shape(shape: ConvShape, batch: int, min_run_time_s: float, rounds: int
 def cells(shape, batch, pass_name, row, peak):
     gflops = [flops(shape, batch, pass_name) / s / 1e9 for s in (row.torch_s, row.ext_s)]
     return [str(shape), pass_name, f"{row.torch_s * 1e3:.2f}", f"{row.ext_s * 1e3:.2f}", f"{gflops[0]:.0f}",
-            f"{gflops[1]:.0f}", f"{row.ratio:.2f}", ratio_range(row.round_ratios), f"{100 * gflops[1] / peak:.0f}%"]
+            f"{gflops[1]:.0f}", f"{row.ratio:.2f}", ratio_range(row.round_ratios),
+            f"{100 * gflops[1] / peak:.0f}%" if peak else "-"]
+
+
+def table_lines(title, results, batch, peak) -> list[str]:
+    """Prints one table and its geomeans; returns them as markdown lines."""
+    table = [cells(shape, batch, pass_name, row, peak) for shape, pass_name, row in results]
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)] + [
+        "| " + " | ".join(line) + " |" for line in table]
+    summary = []
+    for pass_name in ("forward", "backward", "fwd+bwd"):
+        of_pass = [row for _, p, row in results if p == pass_name]
+        lowest = min(of_pass, key=lambda row: row.ratio)
+        summary.append(f"geomean torch/ext, {pass_name}: {geomean_text(of_pass)}; lowest {lowest.ratio:.2f}")
+    print("\n" + title + "\n" + "\n".join(lines) + "\n" + "\n".join(summary))
+    return [title, "", *lines, "", *[f"- {line}" for line in summary], ""]
+
+
+def progress(shape, rows):
+    print(f"{shape}: torch/ext " + ", ".join(f"{p} {r.ratio:.2f}" for p, r in rows), file=sys.stderr, flush=True)
 
 
 def parse_shapes(text: str) -> list[ConvShape]:
@@ -140,11 +162,23 @@ def main(argv=None) -> None:
     parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
     parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
     parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--cuda", action="store_true", help="on the GPU against cuDNN, float32 and bfloat16")
     args = parser.parse_args(argv)
     malloc = memory.set_up()
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
+    if args.cuda:
+        markdown = [command_line("python -m bench.conv", argv), ""] + cuda_tables(args, shapes, min_run_time_s, rounds)
+    else:
+        markdown = cpu_tables(args, argv, shapes, min_run_time_s, rounds, malloc)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(markdown))
+        print(f"\nmarkdown written to {args.markdown}")
+
+
+def cpu_tables(args, argv, shapes, min_run_time_s, rounds, malloc) -> list[str]:
     header = (f"{describe_cpu()}; torch {torch.__version__} (its convolution: oneDNN "
               f"{'on' if torch.backends.mkldnn.is_available() else 'off'}), CPU path {torch.ops.ext.cpu_path()}, "
               f"batch {args.batch}, float32, malloc: {malloc}")
@@ -158,25 +192,32 @@ def main(argv=None) -> None:
             rows = bench_shape(shape, args.batch, min_run_time_s, rounds)
             results += [(shape, pass_name, row) for pass_name, row in rows]
             peak_readings.append(fma_peak_gflops(count))
-            print(f"{shape}: torch/ext " + ", ".join(f"{p} {r.ratio:.2f}" for p, r in rows), file=sys.stderr,
-                  flush=True)
+            progress(shape, rows)
         peak = max(peak_readings)
-        table = [cells(shape, args.batch, pass_name, row, peak) for shape, pass_name, row in results]
-        lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)] + [
-            "| " + " | ".join(line) + " |" for line in table]
-        summary = []
-        for pass_name in ("forward", "backward", "fwd+bwd"):
-            of_pass = [row for _, p, row in results if p == pass_name]
-            lowest = min(of_pass, key=lambda row: row.ratio)
-            summary.append(f"geomean torch/ext, {pass_name}: {geomean_text(of_pass)}; lowest {lowest.ratio:.2f}")
         title = f"### {count} thread{'s' if count > 1 else ''} (FMA peak {peak:.0f} GFLOP/s, highest of " \
                 f"{len(peak_readings)} readings)"
-        print("\n" + title + "\n" + "\n".join(lines) + "\n" + "\n".join(summary))
-        markdown += [title, "", *lines, "", *[f"- {line}" for line in summary], ""]
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(markdown))
-        print(f"\nmarkdown written to {args.markdown}")
+        markdown += table_lines(title, results, args.batch, peak)
+    return markdown
+
+
+def cuda_tables(args, shapes, min_run_time_s, rounds) -> list[str]:
+    if not torch.cuda.is_available():
+        print("CUDA: skipped (torch.cuda.is_available() is False: this machine has no usable GPU)")
+        return ["CUDA: skipped (no usable GPU)", ""]
+    header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__}, its convolution cuDNN "
+              f"{torch.backends.cudnn.version()} (TF32 {'on' if torch.backends.cudnn.allow_tf32 else 'off'} for "
+              f"its float32), batch {args.batch}")
+    print(header)
+    markdown = [header, ""]
+    for dtype in (torch.float32, torch.bfloat16):
+        results = []
+        for shape in shapes:
+            rows = bench_shape(shape, args.batch, min_run_time_s, rounds, "cuda", dtype)
+            results += [(shape, pass_name, row) for pass_name, row in rows]
+            progress(shape, rows)
+        markdown += table_lines(f"### CUDA, {str(dtype).removeprefix('torch.')} (vs cuDNN)", results, args.batch,
+                                None)
+    return markdown
 
 
 if __name__ == "__main__":

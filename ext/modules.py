@@ -192,7 +192,7 @@ def replace_convs(model: nn.Module) -> list[str]:
     As replace_linears, only each module's class changes (parameters, hooks and sharing stay), and
     subclasses of nn.Conv2d are left alone (they may compute something else). Plain ones it cannot
     run stay torch's and are returned by name with the reason, so a caller can say so: grouped (and
-    depthwise) convolutions, and CUDA modules (the convolution has CPU kernels only so far).
+    depthwise) convolutions.
 
     Example:
         >>> left = ext.replace_convs(torchvision.models.mobilenet_v2())   # depthwise ones stay
@@ -202,8 +202,7 @@ def replace_convs(model: nn.Module) -> list[str]:
         if type(module) is not nn.Conv2d and not (parametrize.is_parametrized(module)
                                                   and type(module).__bases__ == (nn.Conv2d,)):
             continue
-        reason = ("groups != 1" if module.groups != 1 else
-                  "on CUDA" if any(p.is_cuda for p in module.parameters()) else None)
+        reason = "groups != 1" if module.groups != 1 else None
         if reason:
             left.append(f"{name or type(model).__name__} ({reason})")
         elif type(module) is nn.Conv2d:

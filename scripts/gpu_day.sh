@@ -2,13 +2,14 @@
 # A day with a GPU, in one command: builds the extension for the GPU at hand, runs the static
 # kernel checks (.ci/check_cuda.sh), the CUDA tests on the real kernels (tests/test_cuda_ops.py),
 # bench.linear's CUDA tables against cuBLAS (float32, float32 with TF32, bfloat16; the MLP shapes
-# and 4096^3, with issue 24's goals) and the whole MLP training step on the GPU, float32 and
+# and 4096^3, with issue 24's goals), bench.conv's against cuDNN (float32, bfloat16: the ResNet
+# shapes) and the whole MLP training step on the GPU, float32 and
 # under autocast (bench.train), and writes it all into one markdown report. A failing step is
 # reported and the next one still runs; the exit status is 1 if any step failed.
 #
 # Usage: bash scripts/gpu_day.sh [REPORT]     (default: $OUT/gpu_day.md under the device tool, else gpu_day.md)
 #   PYTHON      the interpreter with torch (default python3)
-#   QUICK=1     bench.linear --quick and shorter training runs (for a first look, ~3 min)
+#   QUICK=1     bench.linear and bench.conv --quick, shorter training runs (for a first look, ~3 min)
 #
 # A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
 # needs. Fetch it beforehand where pip works, into .whl/ (git-ignored), and carry .whl:
@@ -70,6 +71,7 @@ step build "$PYTHON" -m ext
 step check_cuda env PYTHON="$PYTHON" bash .ci/check_cuda.sh
 step cuda_tests "$PYTHON" -m pytest tests/test_cuda_ops.py -q -p no:cacheprovider
 step bench_linear "$PYTHON" -m bench.linear --cuda-only "${quick[@]}" --markdown "$LOGS/bench_linear.md"
+step bench_conv "$PYTHON" -m bench.conv --cuda "${quick[@]}" --markdown "$LOGS/bench_conv.md"
 if "$PYTHON" -c "import hydra" 2>/dev/null; then
   step bench_train_float32 "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_float32.md"
   step bench_train_amp "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_amp.md" trainer.amp=true

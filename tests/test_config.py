@@ -220,11 +220,9 @@ def test_the_run_line_names_the_conv_choice_and_share_where_there_are_convolutio
     assert logs.describe(mlp, torch.device("cpu"), 1000, 1.0, 0.0).startswith("mlp linear=custom on digits")
 
 
-def test_conv_custom_on_a_gpu_is_refused_before_any_work(monkeypatch):
+def test_conv_custom_is_a_valid_choice_on_a_gpu_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(config.ConfigError, match="conv=custom runs on the CPU only"):
-        config.validate(config.load_config(["conv=custom", "model=resnet18"]))
-    config.validate(config.load_config(["conv=custom", "model=resnet18", "trainer.device=cpu"]))
+    config.validate(config.load_config(["conv=custom", "model=resnet18"]))
 
 
 def test_a_network_that_cannot_run_on_the_meta_device_has_no_flop_share_and_still_trains(monkeypatch):

@@ -184,3 +184,41 @@ def test_runs_on_the_tensors_device_not_the_current_one():
         y = ext.linear(x, w, b)
     assert y.device == torch.device("cuda:1")
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
+
+
+# ---- the convolution (conv.cuh) against torch's (cuDNN), through ext.conv2d and ext.Conv2d ----
+
+# (input, weight, stride, padding, dilation): tile edges (129 output channels, 130 input channels),
+# strided and dilated, a kernel larger than the input, a stride past the kernel, and dW's split-K.
+CONV_CASES = [((2, 3, 7, 6), (4, 3, 3, 3), 1, 1, 1), ((1, 3, 11, 12), (129, 3, 3, 3), 1, 1, 1),
+              ((2, 130, 5, 5), (7, 130, 1, 1), 1, 0, 1), ((3, 5, 12, 11), (9, 5, 5, 3), (3, 2), (2, 1), (2, 1)),
+              ((2, 2, 3, 2), (3, 2, 5, 4), 1, 2, 1), ((2, 4, 9, 9), (5, 4, 2, 2), 3, 0, 1),
+              ((4, 8, 16, 16), (8, 8, 3, 3), 1, "same", 1), ((16, 64, 8, 8), (64, 64, 3, 3), 1, 1, 1)]
+
+
+@pytest.mark.parametrize("case", range(len(CONV_CASES)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv2d_forward_and_gradients_are_exact(case, dtype):
+    x_shape, w_shape, stride, padding, dilation = CONV_CASES[case]
+    g = torch.Generator().manual_seed(case)
+    x, w, b = quarters(*x_shape, generator=g), quarters(*w_shape, generator=g), quarters(w_shape[0], generator=g)
+    expected = F.conv2d(x, w, b, stride, padding, dilation)
+    dy = quarters(*expected.shape, generator=g)
+    leaves = [t.to(dtype).requires_grad_() for t in (x, w, b)]
+    ours = ext.conv2d(*leaves, stride=stride, padding=padding, dilation=dilation)
+    ours.backward(dy.to(dtype))
+    reference = [t.clone().requires_grad_() for t in (x, w, b)]
+    F.conv2d(*reference, stride, padding, dilation).backward(dy)
+    torch.testing.assert_close(ours, expected.to(dtype), rtol=0, atol=0)
+    for leaf, exact in zip(leaves, reference):
+        torch.testing.assert_close(leaf.grad, exact.grad.to(dtype), rtol=0, atol=0)
+
+
+def test_conv2d_channels_last_and_autocast_as_nn_conv2d():
+    x = torch.randn(4, 8, 9, 9, device="cuda").to(memory_format=torch.channels_last)
+    ours, theirs = ext.Conv2d(8, 16, 3, padding=1).cuda(), torch.nn.Conv2d(8, 16, 3, padding=1).cuda()
+    theirs.load_state_dict(ours.state_dict())
+    assert ours(x).is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert ours(x).dtype == theirs(x).dtype == torch.bfloat16

@@ -264,10 +264,6 @@ def validate(cfg):
                 raise ConfigError(f"{key}={shown} is invalid: it must be {rule.expected}")
     if cfg.trainer.eval_only and not cfg.trainer.resume:
         raise ConfigError("trainer.eval_only=true needs trainer.resume=<run folder or checkpoint file>")
-    device = str(cfg.trainer.device)
-    if cfg.conv.name == "custom" and (device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())):
-        raise ConfigError("conv=custom runs on the CPU only (its CUDA kernels are not written yet): use conv=torch "
-                          "on a GPU, or trainer.device=cpu")
     check_targets_take_their_settings(cfg)
 
 
