@@ -65,6 +65,15 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     ((2, 4, 9, 9), (3, 3, 3), 4, 0, 1),          # stride larger than the kernel
     ((1, 70, 6, 6), (9, 3, 3), 1, 1, 1),         # patch 630 > one K block of doubles (400)
     ((5, 20, 12, 12), (130, 3, 3), 2, 1, 1),     # more than 128 output channels: col is packed
+    # "Same" stride-1 convolutions gather whole rows at once (conv.cpp, rows_merge): runs of several
+    # rows that start and end at panel edges, reach past the top and bottom rows, and (dilated, 5-wide,
+    # even kernels) skip whole rows or columns.
+    ((3, 5, 6, 6), (7, 3, 3), 1, 1, 1),
+    ((2, 4, 7, 5), (6, 5, 5), 1, 2, 1),
+    ((2, 3, 9, 10), (4, 3, 3), 1, 2, 2),
+    ((2, 3, 6, 6), (4, 2, 2), 1, "same", 1),
+    ((4, 6, 12, 3), (520, 3, 3), 1, 1, 1),       # 6x64 tiles: chunks in 64-pixel panels
+    ((2, 3, 5, 1), (2, 3, 1), 1, (1, 0), 1),     # one-column images
 ]
 
 

@@ -38,10 +38,10 @@ struct ConvGeometry {
 
 // Pixels per chunk for a patch of `patch` values of T: the column block GEMM reads (at most
 // one K block deep) stays within half of L2, which lets a GEMM of up to 128 rows read it in
-// place; a multiple of 16 pixels (a vector of floats). Depends on the shape only, never on
-// the thread count (a chunk boundary changes how dW's and dX's sums are grouped).
+// place; a multiple of `panel` pixels (the GEMM tile's columns). Depends on the shape only, never
+// on the thread count (a chunk boundary changes how dW's and dX's sums are grouped).
 template <typename T>
-int64_t chunk_pixels(int64_t patch);
+int64_t chunk_pixels(int64_t patch, int64_t panel);
 
 // output (N x K x OH x OW) = conv(input, weight) + bias (bias: K values or nullptr).
 template <typename T>
