@@ -165,7 +165,7 @@ def make_model(cfg, dataset, device):
     if cfg.linear.name == "custom":
         model = ext.replace_linears(model, fuse_relu=cfg.linear.fuse_relu)
     if cfg.conv.name == "custom":
-        left = ext.replace_convs(model)  # the config check (trainer/config.py) kept conv=custom off GPUs
+        left = ext.replace_convs(model)
         if left:
             log.info(f"conv=custom: {len(left)} convolution(s) stay torch's: {', '.join(left)}")
     return model.to(device)
