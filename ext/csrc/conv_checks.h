@@ -79,4 +79,48 @@ inline void check_grad_output(const char* op, const at::Tensor& grad_output, con
               "], got ", grad_output.sizes());
 }
 
+// Each op's arguments checked, and its geometry: the forward's, dX's and dW's, for either kernel family.
+inline cpu::ConvGeometry checked_forward_geometry(const char* op, const at::Tensor& input, const at::Tensor& weight,
+                                                  const std::optional<at::Tensor>& bias, IntPair stride,
+                                                  c10::IntArrayRef padding, IntPair dilation, Kernels kernels) {
+  check_conv_args(op, input, weight, bias, kernels);
+  return geometry(op, input.sizes(), weight.sizes(), conv_params(op, stride, padding, dilation));
+}
+
+inline cpu::ConvGeometry checked_backward_input_geometry(const char* op, const at::Tensor& grad_output,
+                                                         const at::Tensor& weight, c10::IntArrayRef input_size,
+                                                         IntPair stride, c10::IntArrayRef padding, IntPair dilation,
+                                                         Kernels kernels) {
+  TORCH_CHECK(input_size.size() == 4 && weight.dim() == 4, op, ": input_size must have 4 values and weight 4 "
+              "dimensions, got ", input_size, " and ", weight.sizes());
+  check_same_device_and_dtype(op, grad_output, "grad_output", weight, "weight");
+  check_dtype(op, weight, kernels);
+  const cpu::ConvGeometry g = geometry(op, input_size, weight.sizes(), conv_params(op, stride, padding, dilation));
+  check_grad_output(op, grad_output, g);
+  return g;
+}
+
+inline cpu::ConvGeometry checked_backward_weight_geometry(const char* op, const at::Tensor& grad_output,
+                                                          const at::Tensor& input, c10::IntArrayRef weight_size,
+                                                          IntPair stride, c10::IntArrayRef padding, IntPair dilation,
+                                                          Kernels kernels) {
+  TORCH_CHECK(weight_size.size() == 4 && input.dim() == 4 && weight_size[1] == input.size(1), op,
+              ": weight_size must be 4 values whose second is input's channels, got ", weight_size, " and input ",
+              input.sizes());
+  check_same_device_and_dtype(op, grad_output, "grad_output", input, "input");
+  check_dtype(op, input, kernels);
+  const cpu::ConvGeometry g = geometry(op, input.sizes(), weight_size, conv_params(op, stride, padding, dilation));
+  check_grad_output(op, grad_output, g);
+  return g;
+}
+
+// db's geometry: only the sizes of grad_output (N x K x OH x OW) matter.
+inline cpu::ConvGeometry checked_backward_bias_geometry(const char* op, const at::Tensor& grad_output,
+                                                        Kernels kernels) {
+  TORCH_CHECK(grad_output.dim() == 4, op, ": grad_output must be 4-D, got shape ", grad_output.sizes());
+  check_dtype(op, grad_output, kernels);
+  return {grad_output.size(0), 0, 0, 0, grad_output.size(1), 1, 1, 1, 1, 1, 1, 0, 0, grad_output.size(2),
+          grad_output.size(3)};
+}
+
 }  // namespace ext

@@ -21,8 +21,8 @@ namespace {
 at::Tensor conv2d_cpu(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       IntPair stride, c10::IntArrayRef padding, IntPair dilation) {
   constexpr const char* op = "ext.conv2d";
-  check_conv_args(op, input, weight, bias, Kernels::Cpu);
-  const cpu::ConvGeometry g = geometry(op, input.sizes(), weight.sizes(), conv_params(op, stride, padding, dilation));
+  const cpu::ConvGeometry g =
+      checked_forward_geometry(op, input, weight, bias, stride, padding, dilation, Kernels::Cpu);
   auto output = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input.options());
   if (output.numel() == 0) return output.contiguous(output_format(input, weight));
   // The kernels read NCHW: a channels_last or strided input is copied once.
@@ -44,12 +44,8 @@ at::Tensor conv2d_backward_input_cpu(const at::Tensor& grad_output, const at::Te
                                      c10::IntArrayRef input_size, IntPair stride, c10::IntArrayRef padding,
                                      IntPair dilation) {
   constexpr const char* op = "ext.conv2d_backward_input";
-  TORCH_CHECK(input_size.size() == 4 && weight.dim() == 4, op, ": input_size must have 4 values and weight 4 "
-              "dimensions, got ", input_size, " and ", weight.sizes());
-  check_same_device_and_dtype(op, grad_output, "grad_output", weight, "weight");
-  check_dtype(op, weight, Kernels::Cpu);
-  const cpu::ConvGeometry g = geometry(op, input_size, weight.sizes(), conv_params(op, stride, padding, dilation));
-  check_grad_output(op, grad_output, g);
+  const cpu::ConvGeometry g = checked_backward_input_geometry(op, grad_output, weight, input_size, stride, padding,
+                                                               dilation, Kernels::Cpu);
   auto grad_input = at::empty(input_size, grad_output.options());
   if (grad_input.numel() == 0) return grad_input;
   if (g.out_channels == 0) return grad_input.zero_();
@@ -65,13 +61,8 @@ at::Tensor conv2d_backward_weight_cpu(const at::Tensor& grad_output, const at::T
                                       c10::IntArrayRef weight_size, IntPair stride, c10::IntArrayRef padding,
                                       IntPair dilation) {
   constexpr const char* op = "ext.conv2d_backward_weight";
-  TORCH_CHECK(weight_size.size() == 4 && input.dim() == 4 && weight_size[1] == input.size(1), op,
-              ": weight_size must be 4 values whose second is input's channels, got ", weight_size, " and input ",
-              input.sizes());
-  check_same_device_and_dtype(op, grad_output, "grad_output", input, "input");
-  check_dtype(op, input, Kernels::Cpu);
-  const cpu::ConvGeometry g = geometry(op, input.sizes(), weight_size, conv_params(op, stride, padding, dilation));
-  check_grad_output(op, grad_output, g);
+  const cpu::ConvGeometry g = checked_backward_weight_geometry(op, grad_output, input, weight_size, stride, padding,
+                                                                dilation, Kernels::Cpu);
   auto grad_weight = at::empty(weight_size, grad_output.options());
   if (grad_weight.numel() == 0) return grad_weight;
   const auto dy = grad_output.contiguous(), x = input.contiguous();
@@ -84,11 +75,8 @@ at::Tensor conv2d_backward_weight_cpu(const at::Tensor& grad_output, const at::T
 
 at::Tensor conv2d_backward_bias_cpu(const at::Tensor& grad_output) {
   constexpr const char* op = "ext.conv2d_backward_bias";
-  TORCH_CHECK(grad_output.dim() == 4, op, ": grad_output must be 4-D, got shape ", grad_output.sizes());
-  check_dtype(op, grad_output, Kernels::Cpu);
+  const cpu::ConvGeometry g = checked_backward_bias_geometry(op, grad_output, Kernels::Cpu);
   auto grad_bias = at::empty({grad_output.size(1)}, grad_output.options());
-  const cpu::ConvGeometry g{grad_output.size(0), 0, 0, 0, grad_output.size(1), 1, 1, 1, 1, 1, 1, 0, 0,
-                            grad_output.size(2), grad_output.size(3)};
   const auto dy = grad_output.contiguous();
   AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), op, [&] {
     cpu::conv2d_backward_bias<scalar_t>(g, dy.const_data_ptr<scalar_t>(), grad_bias.mutable_data_ptr<scalar_t>());

@@ -44,8 +44,8 @@ struct ConvHost {
   static at::Tensor conv2d(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                            c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation) {
     constexpr const char* op = "ext.conv2d";
-    check_conv_args(op, input, weight, bias, Kernels::Cuda);
-    const cpu::ConvGeometry g = geometry(op, input.sizes(), weight.sizes(), conv_params(op, stride, padding, dilation));
+    const cpu::ConvGeometry g =
+        checked_forward_geometry(op, input, weight, bias, stride, padding, dilation, Kernels::Cuda);
     const ConvShape s = conv_shape(op, g);
     const typename Device::Guard device_guard(input.device());
     auto output = at::empty({g.batch, g.out_channels, g.out_h, g.out_w}, input.options());
@@ -65,12 +65,8 @@ struct ConvHost {
                                    c10::IntArrayRef input_size, c10::IntArrayRef stride, c10::IntArrayRef padding,
                                    c10::IntArrayRef dilation) {
     constexpr const char* op = "ext.conv2d_backward_input";
-    TORCH_CHECK(input_size.size() == 4 && weight.dim() == 4, op, ": input_size must have 4 values and weight 4 "
-                "dimensions, got ", input_size, " and ", weight.sizes());
-    check_same_device_and_dtype(op, grad_output, "grad_output", weight, "weight");
-    check_dtype(op, weight, Kernels::Cuda);
-    const cpu::ConvGeometry g = geometry(op, input_size, weight.sizes(), conv_params(op, stride, padding, dilation));
-    check_grad_output(op, grad_output, g);
+    const cpu::ConvGeometry g = checked_backward_input_geometry(op, grad_output, weight, input_size, stride, padding,
+                                                                 dilation, Kernels::Cuda);
     const ConvShape s = conv_shape(op, g);
     const typename Device::Guard device_guard(grad_output.device());
     auto grad_input = at::empty(input_size, grad_output.options());
@@ -89,13 +85,8 @@ struct ConvHost {
                                     c10::IntArrayRef weight_size, c10::IntArrayRef stride, c10::IntArrayRef padding,
                                     c10::IntArrayRef dilation) {
     constexpr const char* op = "ext.conv2d_backward_weight";
-    TORCH_CHECK(weight_size.size() == 4 && input.dim() == 4 && weight_size[1] == input.size(1), op,
-                ": weight_size must be 4 values whose second is input's channels, got ", weight_size, " and input ",
-                input.sizes());
-    check_same_device_and_dtype(op, grad_output, "grad_output", input, "input");
-    check_dtype(op, input, Kernels::Cuda);
-    const cpu::ConvGeometry g = geometry(op, input.sizes(), weight_size, conv_params(op, stride, padding, dilation));
-    check_grad_output(op, grad_output, g);
+    const cpu::ConvGeometry g = checked_backward_weight_geometry(op, grad_output, input, weight_size, stride, padding,
+                                                                  dilation, Kernels::Cuda);
     const ConvShape s = conv_shape(op, g);
     const typename Device::Guard device_guard(grad_output.device());
     auto grad_weight = at::empty(weight_size, grad_output.options());
@@ -117,14 +108,11 @@ struct ConvHost {
 
   static at::Tensor backward_bias(const at::Tensor& grad_output) {
     constexpr const char* op = "ext.conv2d_backward_bias";
-    TORCH_CHECK(grad_output.dim() == 4, op, ": grad_output must be 4-D, got shape ", grad_output.sizes());
-    check_dtype(op, grad_output, Kernels::Cuda);
+    const cpu::ConvGeometry g = checked_backward_bias_geometry(op, grad_output, Kernels::Cuda);
+    const ConvShape s = conv_shape(op, g);
     const typename Device::Guard device_guard(grad_output.device());
     auto grad_bias = at::empty({grad_output.size(1)}, grad_output.options());
     if (grad_bias.numel() == 0) return grad_bias;
-    const cpu::ConvGeometry g{grad_output.size(0), 0, 0, 0, grad_output.size(1), 1, 1, 1, 1, 1, 1, 0, 0,
-                              grad_output.size(2), grad_output.size(3)};
-    const ConvShape s = conv_shape(op, g);
     const auto dy = grad_output.contiguous();
     dispatch_dtype(grad_output.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
