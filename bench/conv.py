@@ -28,8 +28,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as `python bench/conv.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
-from bench.linear import (compare, fma_peak_gflops, geomean_text, parse_threads,  # noqa: E402
-                          ratio_range, time_interleaved)
+from bench.linear import (FAULTS_NOTED_PER_CALL, compare, fma_peak_gflops, geomean_text,  # noqa: E402
+                          parse_threads, ratio_range, time_interleaved)
 from bench.machine import command_line, describe_cpu  # noqa: E402
 from trainer import memory  # noqa: E402
 
@@ -124,8 +124,23 @@ def table_lines(title, results, batch, peak) -> list[str]:
         of_pass = [row for _, p, row in results if p == pass_name]
         lowest = min(of_pass, key=lambda row: row.ratio)
         summary.append(f"geomean torch/ext, {pass_name}: {geomean_text(of_pass)}; lowest {lowest.ratio:.2f}")
+    summary += fault_notes(results)
     print("\n" + title + "\n" + "\n".join(lines) + "\n" + "\n".join(summary))
     return [title, "", *lines, "", *[f"- {line}" for line in summary], ""]
+
+
+def fault_notes(results) -> list[str]:
+    """A line for each row where a side page-faulted on most calls: its time is not the kernel's alone. Blocks
+    over 32 MiB (a batch of 128 at 64 channels of 32x32 is 32 MiB) are mapped afresh on every call whatever
+    trainer/memory.py sets, so a side's isolated time can hold faults a training step does not pay alike."""
+    notes = []
+    for shape, pass_name, row in results:
+        faulting = [f"{side} {count:,.0f}" for side, count in zip(("torch", "ext"), row.faults_per_call)
+                    if count >= FAULTS_NOTED_PER_CALL]
+        if faulting:
+            notes.append(f"note: {shape} {pass_name}: page faults per call: {', '.join(faulting)} (bench/README.md, "
+                         "Memory)")
+    return notes
 
 
 def progress(shape, rows):

@@ -94,3 +94,22 @@ def test_bench_conv_times_each_pass_and_names_the_cpu(capsys, tmp_path):
     assert bench_conv.flops(bench_conv.ConvShape(8, 16, 6, 3, 1), 2, "forward") == 2 * 2 * 16 * 36 * 8 * 9
     with pytest.raises(SystemExit):
         bench_conv.main(["--shapes", "8->16@32"])  # malformed: one line from the parser
+
+
+def test_bench_conv_notes_the_rows_where_a_side_page_faulted():
+    from bench import conv as bench_conv
+    from bench.linear import Row
+    shape = bench_conv.ConvShape(64, 64, 32, 3, 1)
+    quiet = Row("cpu", "", (0, 0, 0), "forward", 1e-3, 1e-3, None, (1.0,), (0.0, 0.5))
+    faulting = Row("cpu", "", (0, 0, 0), "backward", 1e-3, 1e-3, None, (1.0,), (30_723.75, 0.0))
+    notes = bench_conv.fault_notes([(shape, "forward", quiet), (shape, "backward", faulting)])
+    assert notes == ["note: 64->64@32k3s1 backward: page faults per call: torch 30,724 (bench/README.md, Memory)"]
+
+
+def test_bench_conv_cuda_says_when_there_is_no_gpu(tmp_path):
+    from bench import conv as bench_conv
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: gpu_day.sh runs the CUDA tables")
+    table = tmp_path / "bench_conv_cuda.md"
+    bench_conv.main(["--cuda", "--shapes", "8->16@6k3s1", "--batch", "2", "--markdown", str(table)])
+    assert "CUDA: skipped (no usable GPU)" in table.read_text()
