@@ -65,13 +65,19 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     ((2, 4, 9, 9), (3, 3, 3), 4, 0, 1),          # stride larger than the kernel
     ((1, 70, 6, 6), (9, 3, 3), 1, 1, 1),         # patch 630 > one K block of doubles (400)
     ((5, 20, 12, 12), (130, 3, 3), 2, 1, 1),     # more than 128 output channels: col is packed
-    # "Same" stride-1 convolutions gather whole rows at once (conv.cpp, rows_merge): runs of several
-    # rows that start and end at panel edges, reach past the top and bottom rows, and (dilated, 5-wide,
-    # even kernels) skip whole rows or columns.
+    # Images of at most a chunk are gathered from a padded copy (conv.cpp, gathers_padded): rows
+    # that reach past the top and bottom and (dilated, 5-wide, even kernels) skip rows or columns.
     ((3, 5, 6, 6), (7, 3, 3), 1, 1, 1),
     ((2, 4, 7, 5), (6, 5, 5), 1, 2, 1),
     ((2, 3, 9, 10), (4, 3, 3), 1, 2, 2),
     ((2, 3, 6, 6), (4, 2, 2), 1, "same", 1),
+    ((3, 4, 16, 16), (6, 3, 3), 2, 1, 1),        # strided, from a padded copy
+    # The same over images of more than 1024 output pixels (more than any chunk): the direct gather,
+    # whose "same" stride-1 runs are whole rows at once (rows_merge), starting and ending at panel edges.
+    ((1, 3, 36, 36), (4, 3, 3), 1, 1, 1),
+    ((1, 2, 33, 40), (3, 5, 5), 1, 2, 1),
+    ((1, 2, 36, 34), (3, 3, 3), 1, 2, 2),
+    ((1, 2, 33, 33), (3, 2, 2), 1, "same", 1),
     ((4, 6, 12, 3), (520, 3, 3), 1, 1, 1),       # 6x64 tiles: chunks in 64-pixel panels
     ((2, 3, 5, 1), (2, 3, 1), 1, (1, 0), 1),     # one-column images
 ]
