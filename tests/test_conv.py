@@ -72,8 +72,11 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     ((2, 3, 9, 10), (4, 3, 3), 1, 2, 2),
     ((2, 3, 6, 6), (4, 2, 2), 1, "same", 1),
     ((3, 4, 16, 16), (6, 3, 3), 2, 1, 1),        # strided, from a padded copy
-    # The same over images of more than 1024 output pixels (more than any chunk): the direct gather,
-    # whose "same" stride-1 runs are whole rows at once (rows_merge), starting and ending at panel edges.
+    # The direct gather (gathers_padded says no): a padded 1x1 kernel, a dilated kernel over a tiny output.
+    ((2, 3, 7, 8), (4, 1, 1), 2, 1, 1),
+    ((2, 3, 5, 5), (4, 3, 3), 1, 1, 3),
+    # Images of more than 1024 output pixels (more than any chunk): chunks within an image, each
+    # padded copy a window of the rows under the chunk's output rows.
     ((1, 3, 36, 36), (4, 3, 3), 1, 1, 1),
     ((1, 2, 33, 40), (3, 5, 5), 1, 2, 1),
     ((1, 2, 36, 34), (3, 3, 3), 1, 2, 2),

@@ -104,37 +104,21 @@ std::unique_ptr<T[]> uninitialized(int64_t count) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
 
 // A run of a chunk's pixels along one output row: pixels (n, oh, ow0 .. ow1 - 1), the j-th ..
-// of the chunk; or, with rows > 1, whole output rows oh .. oh + rows - 1 of image n (ow0 = 0,
-// ow1 = OW). A chunk's runs are listed once, then walked for each patch element.
+// of the chunk. A chunk's runs are listed once, then walked for each patch element.
 struct RowRun {
-  int64_t n, oh, ow0, ow1, j, rows;
+  int64_t n, oh, ow0, ow1, j;
 };
 
-// Whole rows of one image make one run (rows > 1) where an output row and an input row are the
-// same length and consecutive output rows read consecutive input rows (stride 1, OW = W, "same"
-// padding): under each patch element the run's inputs are then one contiguous stretch of a channel,
-// gathered as one copy (gather_columns). A 3x3 convolution's gather at 16x16 took a quarter of the
-// forward's time one 16-value row at a time.
-bool rows_merge(const ConvGeometry& g) { return g.stride_h == 1 && g.stride_w == 1 && g.out_w == g.width; }
-
 // Runs also end at every multiple of panel_width pixels (0: no limit), so that none crosses a
-// packed panel of GEMM's B. merge_rows: whole rows make one run where rows_merge allows.
-void list_row_runs(const ConvGeometry& g, Chunk chunk, std::vector<RowRun>& runs, int64_t panel_width = 0,
-                   bool merge_rows = false) {
+// packed panel of GEMM's B.
+void list_row_runs(const ConvGeometry& g, Chunk chunk, std::vector<RowRun>& runs, int64_t panel_width = 0) {
   runs.clear();
   const int64_t hw = g.out_pixels_per_image(), end = chunk.q0 + chunk.count;
-  const bool merge = merge_rows && rows_merge(g);
   for (int64_t q = chunk.q0; q < end;) {
     const int64_t n = q / hw, p = q % hw, oh = p / g.out_w, ow0 = p % g.out_w, j = q - chunk.q0;
     const int64_t run_end = panel_width ? std::min(end, chunk.q0 + (j / panel_width + 1) * panel_width) : end;
-    const int64_t whole_rows = merge && ow0 == 0 ? std::min((run_end - q) / g.out_w, g.out_h - oh) : 0;
-    if (whole_rows > 1) {
-      runs.push_back({n, oh, 0, g.out_w, j, whole_rows});
-      q += whole_rows * g.out_w;
-      continue;
-    }
     const int64_t ow1 = std::min(g.out_w, ow0 + (run_end - q));
-    runs.push_back({n, oh, ow0, ow1, j, 1});
+    runs.push_back({n, oh, ow0, ow1, j});
     q += ow1 - ow0;
   }
 }
@@ -192,30 +176,6 @@ inline void zero_run(T* dst, int64_t n) {
   }
 }
 
-// A run of whole rows (rows_merge) under patch element e, into out[0 .. rows·W): the rows whose
-// input row exists are one contiguous stretch of the input, copied at once; what lies in the padding
-// (the rows outside the image, and in each row the columns outside it, which the stretch filled
-// with its neighbours' ends) is then zeroed.
-template <typename T>
-void gather_rows(const ConvGeometry& g, const T* input, const RowRun& run, const PatchElement& e, T* out) {
-  const int64_t W = g.width, ih0 = run.oh + e.row_offset;
-  const int64_t first = std::clamp<int64_t>(-ih0, 0, run.rows);
-  const int64_t last = std::clamp<int64_t>(g.height - ih0, first, run.rows);
-  const int64_t lo = e.ow_lo, hi = e.ow_hi;
-  if (first == last || lo == hi) {  // every input of this run is padding
-    zero_run(out, run.rows * W);
-    return;
-  }
-  zero_run(out, first * W + lo);
-  // position p = r·W + ow reads input row ih0 + r, column ow + column_offset: from (first, lo) to
-  // (last - 1, hi) all inside the channel's rows first .. last - 1
-  const T* src = input + ((run.n * g.in_channels + e.c) * g.height + ih0) * W + e.column_offset;
-  const int64_t p0 = first * W + lo, p1 = (last - 1) * W + hi;
-  copy_run(src + p0, out + p0, p1 - p0);
-  for (int64_t r = first; r + 1 < last; ++r) zero_run(out + r * W + hi, W - hi + lo);  // the wrapped ends
-  zero_run(out + p1, run.rows * W - p1);
-}
-
 // Rows kk0 .. kk1 - 1 of the chunk's im2col: the input under patch element kk at the chunk's
 // j-th pixel (zero in the padding). Laid out as rows, col[(kk - kk0) · ldcol + j], or with
 // panel_width as gemm's packed B (gemm.h: packed_b_panel_width), whose panels the runs must
@@ -230,10 +190,6 @@ void gather_columns(const ConvGeometry& g, const T* input, const std::vector<Row
     T* row = col + (kk - kk0) * (panel_width ? panel_width : ldcol);
     for (const RowRun& run : runs) {
       const int64_t at = panel_width ? run.j / panel_width * depth * panel_width + run.j % panel_width : run.j;
-      if (run.rows > 1) {
-        gather_rows(g, input, run, e, row + at);
-        continue;
-      }
       T* out = row + at - run.ow0;  // out[ow] for ow in [ow0, ow1)
       const int64_t ih = run.oh * g.stride_h + e.row_offset;
       if (ih < 0 || ih >= g.height) {
@@ -264,45 +220,59 @@ void gather_columns(const ConvGeometry& g, const T* input, const std::vector<Row
   }
 }
 
-// Small images: the chunk's images are first copied with their padding written out as zeros
-// (a K block's channels at a time), and im2col is gathered from that copy one output row at a
-// time, with no bounds to check. Each patch element's rows are then a few whole vectors (one at
-// 16x16), where the direct gather (gather_columns) spent more on the bounds and the padding of
-// each short run than on its copy: its share of the forward at 128 channels of 16x16 was a fifth
-// (perf, 1 thread, Zen 5). Used where the padded copy is no larger than the im2col it feeds (a
-// dilated kernel over a tiny output would copy far more than it gathers) and the kernel reads
-// each input more than once (a 1x1 kernel's gather is a plain copy already).
+// The padded gather: the input rows a chunk reads (a K block's channels at a time) are first copied
+// with their padding written out as zeros, and im2col is gathered from that copy one output row at
+// a time, with no bounds to check: each patch element's run is a few whole vectors (one at 16x16).
+// The direct gather (gather_columns) spent more on the bounds and the padding of each short run
+// than on its copy: at 128 channels of 16x16 it took a fifth of the forward (perf, 1 thread,
+// Zen 5). Used where the copy is no larger than the im2col it feeds (a dilated kernel over a tiny
+// output would copy far more than it gathers) and the kernel reads each input more than once (a
+// 1x1 kernel's gather is a copy already).
+struct PaddedWindow {
+  int64_t n0, n1;     // images
+  int64_t row0, rows;  // padded rows row0 .. row0 + rows - 1 of each plane (padded row ph: input row ph - pad_top)
+  int64_t width;      // padded columns (padded column pw: input column pw - pad_left)
+  int64_t plane() const { return rows * width; }
+};
+
 inline int64_t padded_extent(int64_t out, int64_t stride, int64_t kernel, int64_t dilation) {
   return (out - 1) * stride + (kernel - 1) * dilation + 1;  // the input rows (columns) the output reads
 }
 
-bool gathers_padded(const ConvGeometry& g, Chunk chunk) {
-  const int64_t rs = g.kernel_h * g.kernel_w, hw = g.out_pixels_per_image();
-  const int64_t plane = padded_extent(g.out_h, g.stride_h, g.kernel_h, g.dilation_h) *
-                        padded_extent(g.out_w, g.stride_w, g.kernel_w, g.dilation_w);
-  return rs > 1 && hw <= chunk.count && plane <= rs * hw;
+// The padded rows a chunk reads: within one image, those under its output rows; across images, all.
+PaddedWindow padded_window(const ConvGeometry& g, Chunk chunk) {
+  const int64_t hw = g.out_pixels_per_image(), last = chunk.q0 + chunk.count - 1;
+  const int64_t n0 = chunk.q0 / hw, n1 = last / hw + 1;
+  const int64_t oh0 = n1 - n0 == 1 ? chunk.q0 % hw / g.out_w : 0;
+  const int64_t oh1 = n1 - n0 == 1 ? last % hw / g.out_w + 1 : g.out_h;
+  return {n0, n1, oh0 * g.stride_h, padded_extent(oh1 - oh0, g.stride_h, g.kernel_h, g.dilation_h),
+          padded_extent(g.out_w, g.stride_w, g.kernel_w, g.dilation_w)};
 }
 
-// Channels c0 .. c1 - 1 of images n0 .. n1 - 1, each plane padded (Hp x Wp, padded_extent), plane
-// (n, c) at out + ((n - n0)·(c1 - c0) + c - c0)·Hp·Wp.
+bool gathers_padded(const ConvGeometry& g, Chunk chunk) {
+  const int64_t rs = g.kernel_h * g.kernel_w;
+  const PaddedWindow w = padded_window(g, chunk);
+  return rs > 1 && (w.n1 - w.n0) * w.plane() <= rs * chunk.count;
+}
+
+// Channels c0 .. c1 - 1 of the window's images, each plane's window at
+// out + ((n - n0)·(c1 - c0) + c - c0)·plane.
 template <typename T>
-void pad_planes(const ConvGeometry& g, const T* input, int64_t n0, int64_t n1, int64_t c0, int64_t c1, T* out) {
-  const int64_t Hp = padded_extent(g.out_h, g.stride_h, g.kernel_h, g.dilation_h);
-  const int64_t Wp = padded_extent(g.out_w, g.stride_w, g.kernel_w, g.dilation_w);
+void pad_planes(const ConvGeometry& g, const T* input, const PaddedWindow& w, int64_t c0, int64_t c1, T* out) {
   // Columns lo .. hi - 1 of a padded row hold input columns from lo - pad_left on.
-  const int64_t lo = std::min(g.pad_left, Wp), hi = std::clamp(g.pad_left + g.width, lo, Wp);
-  for (int64_t n = n0; n < n1; ++n)
+  const int64_t lo = std::min(g.pad_left, w.width), hi = std::clamp(g.pad_left + g.width, lo, w.width);
+  for (int64_t n = w.n0; n < w.n1; ++n)
     for (int64_t c = c0; c < c1; ++c) {
       const T* plane = input + (n * g.in_channels + c) * g.height * g.width;
-      for (int64_t ph = 0; ph < Hp; ++ph, out += Wp) {
+      for (int64_t ph = w.row0; ph < w.row0 + w.rows; ++ph, out += w.width) {
         const int64_t ih = ph - g.pad_top;
         if (ih < 0 || ih >= g.height) {
-          std::fill_n(out, Wp, T(0));
+          std::fill_n(out, w.width, T(0));
           continue;
         }
         std::fill_n(out, lo, T(0));
         std::copy_n(plane + ih * g.width + lo - g.pad_left, hi - lo, out + lo);
-        std::fill_n(out + hi, Wp - hi, T(0));
+        std::fill_n(out + hi, w.width - hi, T(0));
       }
     }
 }
@@ -315,33 +285,33 @@ struct PaddedRun {
 
 thread_local std::vector<PaddedRun> t_padded_runs;
 
-// Every run `bytes` long: fixed-size copies, each one or two vector moves.
+// Every run kBytes long: fixed-size copies, each one or two vector moves.
 template <typename T, int64_t kBytes>
 void copy_padded_runs(const T* base, T* row, const std::vector<PaddedRun>& runs) {
   for (const PaddedRun& run : runs) std::memcpy(row + run.dst, base + run.src, kBytes);
 }
 
-// gather_columns' result, from the padded planes of images n0 .. and channels c0 .. c1 - 1.
+// gather_columns' result, from pad_planes' copy of channels c0 .. c1 - 1 in window w.
 template <typename T>
-void gather_padded(const ConvGeometry& g, const T* padded, int64_t n0, int64_t c0, int64_t c1,
+void gather_padded(const ConvGeometry& g, const T* padded, const PaddedWindow& w, int64_t c0, int64_t c1,
                    const std::vector<RowRun>& runs, int64_t kk0, int64_t kk1, T* col, int64_t ldcol,
                    int64_t panel_width) {
-  const int64_t Hp = padded_extent(g.out_h, g.stride_h, g.kernel_h, g.dilation_h);
-  const int64_t Wp = padded_extent(g.out_w, g.stride_w, g.kernel_w, g.dilation_w);
-  const int64_t plane = Hp * Wp, rs = g.kernel_h * g.kernel_w, depth = kk1 - kk0;
+  const int64_t rs = g.kernel_h * g.kernel_w, depth = kk1 - kk0;
   std::vector<PaddedRun>& out_runs = t_padded_runs;
   out_runs.clear();
   int64_t uniform = runs.empty() ? 0 : runs.front().ow1 - runs.front().ow0;
   for (const RowRun& run : runs) {
     const int64_t length = run.ow1 - run.ow0;
+    const int64_t src = ((run.n - w.n0) * (c1 - c0) * w.rows + run.oh * g.stride_h - w.row0) * w.width +
+                        run.ow0 * g.stride_w;
     const int64_t dst = panel_width ? run.j / panel_width * depth * panel_width + run.j % panel_width : run.j;
-    out_runs.push_back({((run.n - n0) * (c1 - c0) * Hp + run.oh * g.stride_h) * Wp + run.ow0 * g.stride_w, dst, length});
+    out_runs.push_back({src, dst, length});
     if (length != uniform) uniform = 0;
   }
   const int64_t uniform_bytes = g.stride_w == 1 ? uniform * static_cast<int64_t>(sizeof(T)) : 0;
   for (int64_t kk = kk0; kk < kk1; ++kk) {
     const int64_t c = kk / rs, r = kk % rs / g.kernel_w, s = kk % g.kernel_w;
-    const T* base = padded + (c - c0) * plane + r * g.dilation_h * Wp + s * g.dilation_w;
+    const T* base = padded + (c - c0) * w.plane() + r * g.dilation_h * w.width + s * g.dilation_w;
     T* row = col + (kk - kk0) * (panel_width ? panel_width : ldcol);
     switch (uniform_bytes) {
       case 16: copy_padded_runs<T, 16>(base, row, out_runs); continue;
@@ -364,27 +334,23 @@ void gather_padded(const ConvGeometry& g, const T* padded, int64_t n0, int64_t c
   }
 }
 
-thread_local PackBuffer t_padded;  // the padded planes of gather_chunk, per thread
+thread_local PackBuffer t_padded;  // the padded copies of gather_chunk, per thread
 
 // Rows kk0 .. kk1 - 1 of a chunk's im2col, laid out as gather_columns says, by the gather that
 // suits the shape.
 template <typename T>
 void gather_chunk(const ConvGeometry& g, const T* input, Chunk chunk, int64_t kk0, int64_t kk1, T* col,
                   int64_t ldcol, int64_t panel_width = 0) {
+  list_row_runs(g, chunk, t_runs, panel_width);
   if (!gathers_padded(g, chunk)) {
-    list_row_runs(g, chunk, t_runs, panel_width, /*merge_rows=*/true);
     gather_columns(g, input, t_runs, kk0, kk1, col, ldcol, panel_width);
     return;
   }
-  const int64_t hw = g.out_pixels_per_image(), rs = g.kernel_h * g.kernel_w;
-  const int64_t n0 = chunk.q0 / hw, n1 = (chunk.q0 + chunk.count - 1) / hw + 1;
-  const int64_t c0 = kk0 / rs, c1 = (kk1 - 1) / rs + 1;
-  const int64_t plane = padded_extent(g.out_h, g.stride_h, g.kernel_h, g.dilation_h) *
-                        padded_extent(g.out_w, g.stride_w, g.kernel_w, g.dilation_w);
-  T* padded = t_padded.get<T>((n1 - n0) * (c1 - c0) * plane);
-  pad_planes(g, input, n0, n1, c0, c1, padded);
-  list_row_runs(g, chunk, t_runs, panel_width, /*merge_rows=*/false);
-  gather_padded(g, padded, n0, c0, c1, t_runs, kk0, kk1, col, ldcol, panel_width);
+  const int64_t rs = g.kernel_h * g.kernel_w, c0 = kk0 / rs, c1 = (kk1 - 1) / rs + 1;
+  const PaddedWindow w = padded_window(g, chunk);
+  T* padded = t_padded.get<T>((w.n1 - w.n0) * (c1 - c0) * w.plane());
+  pad_planes(g, input, w, c0, c1, padded);
+  gather_padded(g, padded, w, c0, c1, t_runs, kk0, kk1, col, ldcol, panel_width);
 }
 
 // col2im: grad_input += dcol scattered back, for patch rows [kk0, kk1) (whole channels, so
