@@ -351,14 +351,15 @@ void gather_padded(const ConvGeometry& g, const T* padded, const PaddedWindow& w
 // Every run kLength values long: fixed-size adds, which compile to whole-vector steps.
 template <typename T, int64_t kLength>
 void add_padded_runs(const T* row, T* base, const std::vector<PaddedRun>& runs) {
+  // As one vector value (GCC's vector extension): added in place, GCC could not rule out that the
+  // two runs overlap and added a value at a time; through arrays, it spilled them to the stack.
+  typedef T Run __attribute__((vector_size(kLength * sizeof(T))));
   for (const PaddedRun& run : runs) {
-    // Through a local copy: adding in place, GCC could not rule out that the two overlap and
-    // added a value at a time.
-    T sum[kLength], in[kLength];
-    std::memcpy(sum, base + run.src, sizeof sum);
-    std::memcpy(in, row + run.dst, sizeof in);
-    for (int64_t i = 0; i < kLength; ++i) sum[i] += in[i];
-    std::memcpy(base + run.src, sum, sizeof sum);
+    Run sum, in;
+    std::memcpy(&sum, base + run.src, sizeof sum);
+    std::memcpy(&in, row + run.dst, sizeof in);
+    sum += in;
+    std::memcpy(base + run.src, &sum, sizeof sum);
   }
 }
 
