@@ -266,13 +266,15 @@ void pad_planes(const ConvGeometry& g, const T* input, const PaddedWindow& w, in
       const T* plane = input + (n * g.in_channels + c) * g.height * g.width;
       for (int64_t ph = w.row0; ph < w.row0 + w.rows; ++ph, out += w.width) {
         const int64_t ih = ph - g.pad_top;
+        // In whole vectors (copy_run, zero_run): rows of 16 values, each a memcpy and two memset
+        // calls, spent 1.4% of a ResNet-18 step in the calls.
         if (ih < 0 || ih >= g.height) {
-          std::fill_n(out, w.width, T(0));
+          zero_run(out, w.width);
           continue;
         }
-        std::fill_n(out, lo, T(0));
-        std::copy_n(plane + ih * g.width + lo - g.pad_left, hi - lo, out + lo);
-        std::fill_n(out + hi, w.width - hi, T(0));
+        zero_run(out, lo);
+        copy_run(plane + ih * g.width + lo - g.pad_left, out + lo, hi - lo);
+        zero_run(out + hi, w.width - hi);
       }
     }
 }
