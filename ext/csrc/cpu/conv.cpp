@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace ext::cpu {
@@ -293,6 +294,19 @@ void copy_padded_runs(const T* base, T* row, const std::vector<PaddedRun>& runs)
   for (const PaddedRun& run : runs) std::memcpy(row + run.dst, base + run.src, kBytes);
 }
 
+// Calls f(std::integral_constant<int64_t, bytes>) where runs of `bytes` have a fixed-size
+// loop (copy_padded_runs, add_padded_runs) and returns true; false for any other length.
+template <typename F>
+bool with_fixed_size(int64_t bytes, F&& f) {
+  switch (bytes) {
+    case 16: f(std::integral_constant<int64_t, 16>{}); return true;
+    case 32: f(std::integral_constant<int64_t, 32>{}); return true;
+    case 64: f(std::integral_constant<int64_t, 64>{}); return true;
+    case 128: f(std::integral_constant<int64_t, 128>{}); return true;
+    default: return false;
+  }
+}
+
 // The chunk's runs as offsets into pad_planes' copy of channels c0 .. c1 - 1 (src, before the patch
 // element's own offset) and into im2col's rows (dst, in the layout gather_columns says). Returns the
 // runs' length in bytes if they all have it and are contiguous (stride 1), else 0.
@@ -329,13 +343,8 @@ void gather_padded(const ConvGeometry& g, const T* padded, const PaddedWindow& w
   for (int64_t kk = kk0; kk < kk1; ++kk) {
     const T* base = padded + padded_offset(g, w, c0, kk);
     T* row = col + (kk - kk0) * (panel_width ? panel_width : ldcol);
-    switch (uniform_bytes) {
-      case 16: copy_padded_runs<T, 16>(base, row, out_runs); continue;
-      case 32: copy_padded_runs<T, 32>(base, row, out_runs); continue;
-      case 64: copy_padded_runs<T, 64>(base, row, out_runs); continue;
-      case 128: copy_padded_runs<T, 128>(base, row, out_runs); continue;
-      default: break;
-    }
+    if (with_fixed_size(uniform_bytes, [&](auto bytes) { copy_padded_runs<T, bytes.value>(base, row, out_runs); }))
+      continue;
     for (const PaddedRun& run : out_runs) {
       const T* in = base + run.src;
       T* out = row + run.dst;
@@ -350,12 +359,12 @@ void gather_padded(const ConvGeometry& g, const T* padded, const PaddedWindow& w
   }
 }
 
-// Every run kLength values long: fixed-size adds, which compile to whole-vector steps.
-template <typename T, int64_t kLength>
+// Every run kBytes long: fixed-size adds, which compile to whole-vector steps.
+template <typename T, int64_t kBytes>
 void add_padded_runs(const T* row, T* base, const std::vector<PaddedRun>& runs) {
   // As one vector value (GCC's vector extension): added in place, GCC could not rule out that the
   // two runs overlap and added a value at a time; through arrays, it spilled them to the stack.
-  typedef T Run __attribute__((vector_size(kLength * sizeof(T))));
+  typedef T Run __attribute__((vector_size(kBytes)));
   for (const PaddedRun& run : runs) {
     Run sum, in;
     std::memcpy(&sum, base + run.src, sizeof sum);
@@ -371,17 +380,12 @@ template <typename T>
 void scatter_padded(const ConvGeometry& g, const T* dcol, int64_t lddcol, const PaddedWindow& w, int64_t c0,
                     int64_t c1, const std::vector<RowRun>& runs, int64_t kk0, int64_t kk1, T* padded) {
   std::vector<PaddedRun>& out_runs = t_padded_runs;
-  const int64_t uniform = padded_runs<T>(g, w, c0, c1, runs, kk1 - kk0, 0, out_runs) / sizeof(T);
+  const int64_t uniform_bytes = padded_runs<T>(g, w, c0, c1, runs, kk1 - kk0, 0, out_runs);
   for (int64_t kk = kk0; kk < kk1; ++kk) {
     T* base = padded + padded_offset(g, w, c0, kk);
     const T* row = dcol + (kk - kk0) * lddcol;
-    switch (uniform) {
-      case 4: add_padded_runs<T, 4>(row, base, out_runs); continue;
-      case 8: add_padded_runs<T, 8>(row, base, out_runs); continue;
-      case 16: add_padded_runs<T, 16>(row, base, out_runs); continue;
-      case 32: add_padded_runs<T, 32>(row, base, out_runs); continue;
-      default: break;
-    }
+    if (with_fixed_size(uniform_bytes, [&](auto bytes) { add_padded_runs<T, bytes.value>(row, base, out_runs); }))
+      continue;
     for (const PaddedRun& run : out_runs)
       for (int64_t i = 0; i < run.length; ++i) base[run.src + i * g.stride_w] += row[run.dst + i];
   }
