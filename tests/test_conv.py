@@ -83,6 +83,17 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     ((1, 2, 33, 33), (3, 2, 2), 1, "same", 1),
     ((4, 6, 12, 3), (520, 3, 3), 1, 1, 1),       # 6x64 tiles: chunks in 64-pixel panels
     ((2, 3, 5, 1), (2, 3, 1), 1, (1, 0), 1),     # one-column images
+    # The direct convolution (conv.cpp, convolves_directly: stride 1 down the rows, output rows of at
+    # least a vector): from one padded copy where OW is whole vectors, else from shifted planes; dX as
+    # the convolution of dY with W flipped (transposed_geometry) where the padding allows.
+    ((2, 5, 16, 16), (6, 3, 3), 1, 1, 1),        # padded copy (float32 and float64); a ragged 16-pixel panel
+    ((2, 3, 16, 16), (4, 2, 2), 1, "same", 1),   # uneven padding, flipped for dX
+    ((2, 3, 16, 32), (4, 3, 3), 1, 2, 2),        # dilated
+    ((1, 2, 16, 16), (3, 3, 3), 1, 3, 1),        # padding past the kernel's reach: dX by col2im
+    ((2, 3, 4, 64), (4, 3, 3), (1, 2), 1, 1),    # strided along rows only: shifted planes
+    ((8, 4, 2, 16), (5, 3, 3), 1, 1, 1),         # chunks span images
+    ((2, 3, 6, 24), (9, 5, 3), 1, (2, 1), 1),    # shifted planes in float32 (24 columns)
+    ((1, 3, 16, 16), (520, 3, 3), 1, 1, 1),      # 6x64 tiles
 ]
 
 

@@ -297,7 +297,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
                int64_t n0, int64_t n1, int64_t K,
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
                const T* bias, bool relu, T* C, int64_t ldc, bool accumulate_c,
-               const T* shared_packed_a = nullptr, const T* prepacked_b = nullptr) {
+               const T* shared_packed_a = nullptr, const T* prepacked_b = nullptr,
+               const IndexedB<T>* indexed_b = nullptr) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
@@ -322,7 +323,9 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   const int64_t b_block_bytes = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T));
   const bool b_block_stays_in_l2 = b_block_bytes <= caches().l2_bytes / 2 &&
                                    b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
-  const bool read_b_in_place = !prepacked_b && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
+  // B packed or indexed by the caller (the convolution): read as it is.
+  const bool b_supplied = prepacked_b || indexed_b;
+  const bool read_b_in_place = !b_supplied && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
   // C's rows a page or more apart, in a C larger than L2 (dW of a 2048-input head,
   // 1000 x 2048, from a batch of 128): down a column panel every row of a tile is
   // on another page, and C is written in 256-byte strips a thousand pages tall. If
@@ -342,7 +345,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // Measured here (1 thread): forward 128x2048->1000 148 -> 164 GFLOP/s, its
   // dX 144 -> 157, forward 128x784->256 170 -> 173. With several A blocks
   // (more than MC rows) every block reuses the packed B block, packed first.
-  const bool pack_b_per_panel = !prepacked_b && m1 - m0 <= MC && !write_c_by_rows;
+  const bool pack_b_per_panel = !b_supplied && m1 - m0 <= MC && !write_c_by_rows;
   // Both operands read in place and B's block small enough for L1d (dX of a
   // 10-class head, K = 10): each row tile runs across all columns, so C is written
   // row by row rather than a column panel at a time. Measured here (1 thread,
@@ -351,8 +354,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // column panel's C in this order was slower (8.1 us).
   const bool rows_outer = write_c_by_rows ||
                           (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= rows_outer_max_b_bytes());
-  T* packed_b = prepacked_b ? const_cast<T*>(prepacked_b)
-                            : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
+  T* packed_b = b_supplied ? const_cast<T*>(prepacked_b)
+                           : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
   T* packed_a = shared_packed_a ? nullptr : t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
   const T* a_panels = shared_packed_a ? shared_packed_a : packed_a;
@@ -363,7 +366,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kc = std::min(KC, K - pc);
       const T* b_block = B + pc * b_rs + jc * b_cs;
-      if (!read_b_in_place && !pack_b_per_panel && !prepacked_b) uk.pack_b(b_block, b_rs, b_cs, kc, nc, packed_b);
+      if (!read_b_in_place && !pack_b_per_panel && !b_supplied) uk.pack_b(b_block, b_rs, b_cs, kc, nc, packed_b);
       tile.kc = kc;
       tile.accumulate = pc > 0 || accumulate_c;
       tile.relu = relu && pc + kc == K;
@@ -375,7 +378,10 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
         auto b_panel = [&](int64_t jr, int64_t cols) {
           tile.cols = cols;
           tile.bias = pc == 0 && bias ? bias + jc + jr : nullptr;
-          if (!read_b_in_place) {
+          if (indexed_b) {
+            tile.b_offsets = indexed_b->offsets + pc;
+            for (int64_t v = 0; v * uk.lanes < cols; ++v) tile.b_vectors[v] = indexed_b->vectors[(jc + jr) / uk.lanes + v];
+          } else if (!read_b_in_place) {
             if (pack_b_per_panel) uk.pack_b(b_block + jr * b_cs, b_rs, b_cs, kc, tile.cols, packed_b);
             tile.b = pack_b_per_panel ? packed_b : packed_b + jr * kc;
             tile.b_k_stride = NR;
@@ -393,19 +399,24 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           tile.rows = std::min(MR, mc - ir);
           tile.c = C + (ic + ir) * ldc + jc + jr;
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
+          auto run = [&](bool unit_row_stride) {
+            if (indexed_b) return uk.tile_indexed_b(unit_row_stride, tile.rows, tile.cols)(tile);
+            (unit_row_stride ? uk.tile_unit_row_stride(tile.rows, tile.cols)
+                             : uk.tile_unit_k_stride(tile.rows, tile.cols))(tile);
+          };
           if (!read_a_in_place) {
             tile.a = a_panels + ir * kc;
             tile.a_k_stride = MR;
-            uk.tile_unit_row_stride(tile.rows, tile.cols)(tile);
+            run(true);
           } else if (tile.rows == MR) {
             tile.a = a_block + ir * a_rs;
             tile.a_row_stride = a_rs;
-            uk.tile_unit_k_stride(tile.rows, tile.cols)(tile);
+            run(false);
           } else {
             uk.pack_a(a_block + ir * a_rs, a_rs, a_cs, tile.rows, kc, packed_a);
             tile.a = packed_a;
             tile.a_k_stride = MR;
-            uk.tile_unit_row_stride(tile.rows, tile.cols)(tile);
+            run(true);
           }
         };
         if (rows_outer) {
@@ -565,6 +576,18 @@ void gemm_packed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, in
 }
 
 template <typename T>
+void gemm_indexed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const IndexedB<T>& b,
+                    T* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0 || (K == 0 && accumulate)) return;
+  if (K == 0) return fill_bias<T>(M, N, nullptr, false, C, ldc);
+  const Microkernel<T>& uk = microkernel_for<T>(M, N);
+  if (K > std::max(kKC<T>, kMaxSingleKBlock<T>) || N > kNC || N % uk.lanes != 0)
+    throw std::logic_error("ext::cpu::gemm_indexed_b: K must be one K block, N at most NC and whole vectors");
+  gemm_slab<T>(uk, block_rows(g_active_path), single_block_bytes(g_active_path), 0, M, 0, N, K, A, a_rs, a_cs,
+               nullptr, 0, 0, nullptr, false, C, ldc, accumulate, nullptr, nullptr, &b);
+}
+
+template <typename T>
 ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride,
                               int64_t a_col_stride, const T* B, int64_t b_row_stride, int64_t b_col_stride,
                               const T* bias, bool relu, T* C, int64_t ldc, int64_t panels_per_chunk,
@@ -675,6 +698,10 @@ template int64_t packed_b_panel_width<float>(int64_t, int64_t);
 template int64_t packed_b_panel_width<double>(int64_t, int64_t);
 template void gemm_packed_b<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
                                    int64_t, bool);
+template void gemm_indexed_b<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                                    const IndexedB<float>&, float*, int64_t, bool);
+template void gemm_indexed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t,
+                                     const IndexedB<double>&, double*, int64_t, bool);
 template void gemm_packed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t, const double*,
                                     double*, int64_t, bool);
 template void sum_rows<float>(int64_t, int64_t, const float*, int64_t, int64_t, float*);

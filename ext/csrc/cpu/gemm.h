@@ -44,6 +44,20 @@ template <typename T>
 void gemm_packed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride, int64_t a_col_stride,
                    const T* packed_b, T* C, int64_t ldc, bool accumulate);
 
+// B read in place through an index rather than packed (the direct convolution's shifted
+// planes, conv.cpp): B[k][j .. j + lanes - 1] is the `lanes` values at vectors[j / lanes] +
+// offsets[k], for j a multiple of the vector lanes (BlockSizes::lanes).
+template <typename T>
+struct IndexedB {
+  const int64_t* offsets;  // K values
+  const T* const* vectors;  // N / lanes pointers
+};
+
+// C (+)= A · B, as gemm_packed_b, B indexed; N a multiple of the vector lanes.
+template <typename T>
+void gemm_indexed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_stride, int64_t a_col_stride,
+                    const IndexedB<T>& b, T* C, int64_t ldc, bool accumulate);
+
 // One product C = A·B + bias (relu as in gemm) whose columns are computed in chunks of
 // panels_per_chunk column panels of its tile (0: one chunk), taken by any threads in any
 // order through run(). An A read in place costs the chunks nothing; an A that is packed is

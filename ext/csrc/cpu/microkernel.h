@@ -15,6 +15,9 @@ namespace ext::cpu {
 // caller's row-major matrix read in place). rows <= MR and cols <= NR; rows
 // beyond `rows` of A and columns beyond `cols` of B must be readable (packed
 // panels are zero-padded).
+// Most vectors per row of a register tile (NR = NV x lanes), over all paths.
+constexpr int kMaxTileVectors = 4;
+
 template <typename T>
 struct TileArgs {
   int64_t kc;
@@ -22,6 +25,11 @@ struct TileArgs {
   int64_t a_row_stride, a_k_stride;
   const T* b;
   int64_t b_k_stride;
+  // Indexed B (the indexed tiles only): row k's v-th vector is the `lanes` values at
+  // b_vectors[v] + b_offsets[k]. The direct convolution reads its input so, in place
+  // (conv.cpp: shifted planes), where a packed B would be im2col's nine copies.
+  const int64_t* b_offsets;
+  const T* b_vectors[kMaxTileVectors];
   T* c;
   int64_t ldc;
   int64_t rows, cols;
@@ -30,8 +38,6 @@ struct TileArgs {
   bool relu;
 };
 
-// Most vectors per row of a register tile (NR = NV x lanes), over all paths.
-constexpr int kMaxTileVectors = 4;
 // Row counts each microkernel has an instance for: MR, about MR / 2 and MR / 4.
 constexpr int kRowVariants = 3;
 
@@ -52,12 +58,19 @@ struct Microkernel {
   TileFn unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
   // A with unit k stride (a row-major operand read in place, no packing).
   TileFn unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
+  // The same two with indexed B (TileArgs::b_offsets).
+  TileFn indexed_b_unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
+  TileFn indexed_b_unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
   int row_variant(int64_t rows) const { return rows <= rows_of_variant[2] ? 2 : rows <= rows_of_variant[1] ? 1 : 0; }
   TileFn tile_unit_row_stride(int64_t rows, int64_t cols) const {
     return unit_row_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
   }
   TileFn tile_unit_k_stride(int64_t rows, int64_t cols) const {
     return unit_k_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
+  }
+  TileFn tile_indexed_b(bool unit_row_stride, int64_t rows, int64_t cols) const {
+    return (unit_row_stride ? indexed_b_unit_row_stride_tiles : indexed_b_unit_k_stride_tiles)[row_variant(rows)]
+                                                                                                [(cols - 1) / lanes];
   }
   // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
   void (*pack_a)(const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst);

@@ -28,8 +28,8 @@ inline void store(typename Simd::T* p, typename Simd::V v) {
 
 // C tile = init + A·B, MR x (NV * lanes) values held in registers for the whole
 // k loop. kUnitRowStride picks the A addressing at compile time so the packed
-// case (the hot one) has no stride multiplies.
-template <class Simd, int MR, int NV, bool kUnitRowStride>
+// case (the hot one) has no stride multiplies; kIndexedB the B addressing.
+template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB = false>
 void tile(const TileArgs<typename Simd::T>& t) {
   using T = typename Simd::T;
   using V = typename Simd::V;
@@ -78,8 +78,14 @@ void tile(const TileArgs<typename Simd::T>& t) {
 #pragma GCC unroll 4
   for (int64_t k = 0; k < t.kc; ++k) {
     V b_row[NV];
-    _Pragma("GCC unroll 16")
-    for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(b + v * W);
+    if constexpr (kIndexedB) {
+      const int64_t offset = t.b_offsets[k];
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(t.b_vectors[v] + offset);
+    } else {
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(b + v * W);
+    }
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
       const V a_value = Simd::broadcast(a[i * a_row_stride]);
@@ -190,12 +196,21 @@ void sum_rows_contiguous(const typename Simd::T* a, int64_t row_stride, int64_t 
 }
 
 // Instances of an R-row tile for 1 .. kMaxTileVectors vectors of columns (at most NV).
-template <class Simd, int R, int NV, bool kUnitRowStride>
+template <class Simd, int R, int NV, bool kUnitRowStride, bool kIndexedB = false>
 void set_tiles(typename Microkernel<typename Simd::T>::TileFn (&tiles)[kMaxTileVectors]) {
-  tiles[0] = &tile<Simd, R, 1, kUnitRowStride>;
-  tiles[1] = &tile<Simd, R, std::min(2, NV), kUnitRowStride>;
-  tiles[2] = &tile<Simd, R, std::min(3, NV), kUnitRowStride>;
-  tiles[3] = &tile<Simd, R, std::min(4, NV), kUnitRowStride>;
+  tiles[0] = &tile<Simd, R, 1, kUnitRowStride, kIndexedB>;
+  tiles[1] = &tile<Simd, R, std::min(2, NV), kUnitRowStride, kIndexedB>;
+  tiles[2] = &tile<Simd, R, std::min(3, NV), kUnitRowStride, kIndexedB>;
+  tiles[3] = &tile<Simd, R, std::min(4, NV), kUnitRowStride, kIndexedB>;
+}
+
+// The tiles of one row count: [unit row stride, unit k stride] x [packed B, indexed B].
+template <class Simd, int R, int NV>
+void set_row_variant(Microkernel<typename Simd::T>& uk, int variant) {
+  set_tiles<Simd, R, NV, true>(uk.unit_row_stride_tiles[variant]);
+  set_tiles<Simd, R, NV, false>(uk.unit_k_stride_tiles[variant]);
+  set_tiles<Simd, R, NV, true, true>(uk.indexed_b_unit_row_stride_tiles[variant]);
+  set_tiles<Simd, R, NV, false, true>(uk.indexed_b_unit_k_stride_tiles[variant]);
 }
 
 template <class Simd, int MR, int NV>
@@ -211,12 +226,9 @@ Microkernel<typename Simd::T> make_microkernel() {
   uk.rows_of_variant[0] = MR;
   uk.rows_of_variant[1] = kHalf;
   uk.rows_of_variant[2] = kQuarter;
-  set_tiles<Simd, MR, NV, true>(uk.unit_row_stride_tiles[0]);
-  set_tiles<Simd, kHalf, NV, true>(uk.unit_row_stride_tiles[1]);
-  set_tiles<Simd, kQuarter, NV, true>(uk.unit_row_stride_tiles[2]);
-  set_tiles<Simd, MR, NV, false>(uk.unit_k_stride_tiles[0]);
-  set_tiles<Simd, kHalf, NV, false>(uk.unit_k_stride_tiles[1]);
-  set_tiles<Simd, kQuarter, NV, false>(uk.unit_k_stride_tiles[2]);
+  set_row_variant<Simd, MR, NV>(uk, 0);
+  set_row_variant<Simd, kHalf, NV>(uk, 1);
+  set_row_variant<Simd, kQuarter, NV>(uk, 2);
   uk.pack_a = [](const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst) {
     pack_panels<Simd, MR>(a, row_stride, k_stride, rows, kc, dst);
   };
