@@ -94,6 +94,10 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     ((8, 4, 2, 16), (5, 3, 3), 1, 1, 1),         # chunks span images
     ((2, 3, 6, 24), (9, 5, 3), 1, (2, 1), 1),    # shifted planes in float32 (24 columns)
     ((1, 3, 16, 16), (520, 3, 3), 1, 1, 1),      # 6x64 tiles
+    # Strided down the rows, with output rows of whole vectors: gathered (the direct convolution, which
+    # could read these, measured slower).
+    ((2, 3, 32, 32), (4, 3, 3), 2, 1, 1),
+    ((2, 3, 8, 16), (4, 3, 3), (2, 1), 1, 1),
 ]
 
 
