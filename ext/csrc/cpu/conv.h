@@ -9,7 +9,9 @@
 //   dX       dcol [C·R·S, P] = Wᵀ [C·R·S, K] · dY [K, P], then col2im adds dcol into dX
 // W (or Wᵀ) is always GEMM's A operand, read in place and never packed; the pixel side is B.
 // col is never built whole: a chunk of pixels at a time is gathered (chunk_pixels), into a
-// buffer per thread, and each thread runs its own single-threaded GEMMs. Threads split the
+// buffer per thread, and each thread runs its own single-threaded GEMMs. Where the convolution
+// runs directly (conv.cpp: convolves_directly) col is not built at all: the GEMM reads a padded
+// copy of the input in place through an index, and a stride-1 dX is that convolution of dY. Threads split the
 // forward by pixel chunks, dW by columns of dW (rows of col), and dX by input channels, so no
 // two threads write the same element and every element gets the same arithmetic whatever the
 // thread count: results are bit-identical for any number of threads.
