@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torchvision
-from sklearn.datasets import load_digits
 
 DIGITS_MAX_VALUE = 16  # load_digits' pixels are counts of set bits in 4x4 blocks: 0..16
 
@@ -59,6 +58,10 @@ def load_data(name, root, download=False, **options):
 
 def read_digits(root, download, val_fraction=0.2, split_seed=0):
     """scikit-learn's 1,797 8x8 handwritten digits (bundled with it, no network), split train/val."""
+    # imported here, not at the top: scikit-learn brings SciPy, its OpenBLAS and a second OpenMP runtime into
+    # the process and takes 0.66 s to import (Zen 5), for the digits alone
+    from sklearn.datasets import load_digits
+
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / DIGITS_MAX_VALUE
     labels = torch.tensor(digits.target, dtype=torch.int64)
