@@ -698,12 +698,12 @@ template int64_t packed_b_panel_width<float>(int64_t, int64_t);
 template int64_t packed_b_panel_width<double>(int64_t, int64_t);
 template void gemm_packed_b<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
                                    int64_t, bool);
+template void gemm_packed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t, const double*,
+                                    double*, int64_t, bool);
 template void gemm_indexed_b<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
                                     const IndexedB<float>&, float*, int64_t, bool);
 template void gemm_indexed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t,
                                      const IndexedB<double>&, double*, int64_t, bool);
-template void gemm_packed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t, const double*,
-                                    double*, int64_t, bool);
 template void sum_rows<float>(int64_t, int64_t, const float*, int64_t, int64_t, float*);
 template void sum_rows<double>(int64_t, int64_t, const double*, int64_t, int64_t, double*);
 

@@ -7,6 +7,9 @@
 
 namespace ext::cpu {
 
+// Most vectors per row of a register tile (NR = NV x lanes), over all paths.
+constexpr int kMaxTileVectors = 4;
+
 // One register tile: C[rows x cols] = (accumulate ? C : bias row or 0) + A·B over
 // a depth of kc, then max(., 0) if relu. A·B is summed in registers and added to C
 // at the store. A[i, k] = a[i * a_row_stride + k *
@@ -15,9 +18,6 @@ namespace ext::cpu {
 // caller's row-major matrix read in place). rows <= MR and cols <= NR; rows
 // beyond `rows` of A and columns beyond `cols` of B must be readable (packed
 // panels are zero-padded).
-// Most vectors per row of a register tile (NR = NV x lanes), over all paths.
-constexpr int kMaxTileVectors = 4;
-
 template <typename T>
 struct TileArgs {
   int64_t kc;
