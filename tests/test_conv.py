@@ -58,7 +58,7 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     ((2, 5, 4, 4), (6, 5, 5), 1, 2, 1),
     ((2, 3, 3, 3), (2, 5, 5), 1, 2, 1),          # a kernel larger than the input, padded
     ((2, 1, 1, 1), (1, 1, 1), 1, 0, 1),
-    ((64, 6, 4, 4), (7, 3, 3), 1, 1, 1),         # small images: chunks span images (staged output)
+    ((32, 6, 4, 4), (7, 3, 3), 1, 1, 1),         # small images: chunks span images (staged output)
     ((2, 16, 40, 40), (8, 3, 3), 1, 1, 1),       # several chunks per image
     ((2, 8, 33, 35), (24, 1, 1), 2, 0, 1),       # strided 1x1 downsample
     ((3, 7, 20, 21), (5, 2, 3), 3, 2, 2),
@@ -98,6 +98,16 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     # could read these, measured slower).
     ((2, 3, 32, 32), (4, 3, 3), 2, 1, 1),
     ((2, 3, 8, 16), (4, 3, 3), (2, 1), 1, 1),
+    # By output position (conv.cpp, convolves_by_position: at most 64 output pixels, a batch of at least
+    # 64): only the taps inside the input; dX as the convolution of dY where transposed_geometry allows.
+    ((64, 6, 4, 4), (7, 3, 3), 1, 1, 1),
+    ((100, 5, 6, 7), (9, 3, 3), 1, 1, 1),        # the batch in panels of 48 and a ragged one
+    ((64, 3, 8, 8), (5, 3, 3), 2, 1, 1),         # strided: dX by col2im
+    ((70, 3, 9, 6), (4, 2, 3), (1, 2), (0, 1), (2, 1)),
+    ((64, 2, 2, 2), (3, 3, 3), 1, 4, 1),         # positions with no tap inside the input
+    ((64, 420, 3, 3), (4, 3, 3), 1, 1, 1),       # channels in K blocks of doubles (400)
+    ((64, 810, 2, 3), (3, 2, 2), 1, 1, 1),       # ... and of floats (800)
+    ((64, 3, 3, 3), (520, 3, 3), 1, 1, 1),       # 6x64 tiles: the batch in 64-image panels
 ]
 
 
@@ -248,6 +258,9 @@ def test_every_cpu_path_computes_the_same_convolution(path):
     try:
         assert_matches_torch(x, w, torch.randn(20, dtype=torch.float64), stride=2, padding=1)
         assert_matches_torch(x.float(), w.float(), padding=1)
+        small = torch.randn(64, 5, 4, 4, dtype=torch.float64)  # by output position
+        assert_matches_torch(small, w[:, :5], padding=1)
+        assert_matches_torch(small.float(), w[:, :5].float(), padding=1)
     finally:
         torch.ops.ext.set_cpu_path(previous)
 

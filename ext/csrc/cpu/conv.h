@@ -11,8 +11,10 @@
 // col is never built whole: a chunk of pixels at a time is gathered (chunk_pixels), into a
 // buffer per thread, and each thread runs its own single-threaded GEMMs. Where the convolution
 // runs directly (conv.cpp: convolves_directly) col is not built at all: the GEMM reads a padded
-// copy of the input in place through an index, and a stride-1 dX is that convolution of dY. Threads split the
-// forward by pixel chunks, dW by columns of dW (rows of col), and dX by input channels, so no
+// copy of the input in place through an index, and a stride-1 dX is that convolution of dY. Small maps
+// (conv.cpp: convolves_by_position) run one GEMM per output pixel and kernel tap over the whole batch,
+// skipping the taps that fall in the padding. Threads split the forward (and a dX that is a convolution)
+// by pixel chunks or output pixels, dW by columns of dW (rows of col), and other dX by input channels, so no
 // two threads write the same element and every element gets the same arithmetic whatever the
 // thread count: results are bit-identical for any number of threads.
 #pragma once
