@@ -98,13 +98,15 @@ SHAPES = [  # (N, C, H, W), (K, R, S), stride, padding, dilation
     # could read these, measured slower).
     ((2, 3, 32, 32), (4, 3, 3), 2, 1, 1),
     ((2, 3, 8, 16), (4, 3, 3), (2, 1), 1, 1),
-    # By output position (conv.cpp, convolves_by_position: at most 64 output pixels, a batch of at least
-    # 64): only the taps inside the input; dX as the convolution of dY where transposed_geometry allows.
+    # By output position (conv.cpp, convolves_by_position: at most 64 pixels in and out, a batch of at least
+    # 64): only the taps inside the input, in all three products; dX as the convolution of dY where
+    # transposed_geometry allows.
     ((64, 6, 4, 4), (7, 3, 3), 1, 1, 1),
     ((100, 5, 6, 7), (9, 3, 3), 1, 1, 1),        # the batch in panels of 48 and a ragged one
     ((64, 3, 8, 8), (5, 3, 3), 2, 1, 1),         # strided: dX by col2im
     ((70, 3, 9, 6), (4, 2, 3), (1, 2), (0, 1), (2, 1)),
     ((64, 2, 2, 2), (3, 3, 3), 1, 4, 1),         # positions with no tap inside the input
+    ((64, 3, 1, 1), (4, 3, 3), 1, 1, 1),         # taps with no position inside the input (dW's zeros)
     ((64, 420, 3, 3), (4, 3, 3), 1, 1, 1),       # channels in K blocks of doubles (400)
     ((64, 810, 2, 3), (3, 2, 2), 1, 1, 1),       # ... and of floats (800)
     ((64, 3, 3, 3), (520, 3, 3), 1, 1, 1),       # 6x64 tiles: the batch in 64-image panels

@@ -554,16 +554,17 @@ void convolve_directly(const ConvGeometry& g, const T* input, const T* weight, C
 // Measured (Zen 5, batch 128, ms, im2col -> by position), 2 threads: 512 channels of 4x4 forward
 // 22.0-23.2 -> 16.7-18.0, dX 23.2-25.3 -> 17.4-18.0; 256 of 8x8 forward 21.9-22.6 -> 19.7-20.3, dX
 // 23.2-24.0 -> 19.7-20.0; 256->512 3x3 stride 2 at 8x8 forward 12.2-12.6 -> 11.6-11.8; 1 thread:
-// 4x4 forward 46.4-48.8 -> 33.8-34.1, 8x8 45.2-45.7 -> 39.3-41.9. Not taken: at 16x16 (forward 21.6
-// -> 23.1, where the direct convolution skips no products but reads its copy as well) and from 32x32
-// on; below a batch of 64 (each GEMM reads all of a tap's W for too few images: at 4x4 and a batch of
-// 16 the forward took 2.98 -> 4.31). The ResNet-18 step: 1.27 -> 1.22 s.
+// 4x4 forward 46.4-48.8 -> 33.8-34.1, 8x8 45.2-45.7 -> 39.3-41.9 (dW: weight_gradient_by_position). Not
+// taken: at 16x16 (forward 21.6 -> 23.1, where the direct convolution skips no products but reads its
+// copy as well) and from 32x32 on; for inputs over 64 pixels (the layout copies the whole input: 128->256
+// stride 2 from 16x16 to 8x8, dW 13.2 -> 14.0 on 2 threads, forward level); below a batch of 64 (each GEMM
+// reads all of a tap's W for too few images: at 4x4 and a batch of 16 the forward took 2.98 -> 4.31).
 constexpr int64_t kPositionMaxPixels = 64, kPositionMinBatch = 64;
 
 template <typename T>
 bool convolves_by_position(const ConvGeometry& g) {
   return g.kernel_h * g.kernel_w > 1 && g.out_pixels_per_image() <= kPositionMaxPixels &&
-         g.batch >= kPositionMinBatch && g.batch <= block_sizes<T>(active_cpu_path()).nc;
+         g.in_pixels_per_image() <= kPositionMaxPixels && g.batch >= kPositionMinBatch && g.batch <= block_sizes<T>(active_cpu_path()).nc;
 }
 
 // How convolve_by_position lays X out: for input pixel i and channel block cb (channels c0 ..
@@ -649,6 +650,97 @@ void convolve_by_position(const ConvGeometry& g, const T* input, const T* weight
         T* out = output + (n * K + k) * ohw;
         for (int64_t o = 0; o < ohw; ++o) out[o] = y[o * y_stride + k * npad + n] + b;
       }
+  });
+}
+
+// dW by output position: dW[:, :, r, s] (K x C) = the sum over output pixels o whose tap (r, s) lands
+// inside the input, in order, of dY[o] (K x N) · X[i]ᵀ (N x C), i the input pixel under it. dY is laid
+// out pixel by pixel (K x N each, read in place as A), X as gemm's packed B of N x C per pixel (panels of
+// channels). Needs the batch within one K block. Measured (Zen 5, batch 128, ms, im2col -> by position):
+// 2 threads, 512 channels of 4x4 23.3 -> 16.2-16.4, 256 of 8x8 23.2-23.7 -> 19.8-20.4, 256->512 stride 2
+// at 8x8 12.6-12.8 -> 10.1-11.0; 1 thread 44.9-45.0 -> 31.0, 45.4-46.4 -> 37.9-40.2, 23.8-23.9 -> 20.0-20.2.
+template <typename T>
+void weight_gradient_by_position(const ConvGeometry& g, const T* grad_output, const T* input, T* grad_weight) {
+  const int64_t N = g.batch, C = g.in_channels, K = g.out_channels, rs = g.kernel_h * g.kernel_w;
+  const int64_t ohw = g.out_pixels_per_image(), hw = g.in_pixels_per_image();
+  const int64_t width = packed_b_panel_width<T>(K, C), panels = (C + width - 1) / width;
+  // dY[n][k][o] -> dy[o][k][n]
+  const int64_t dy_stride = padded_stride<T>(K * N);
+  const auto dy = uninitialized<T>(ohw * dy_stride);
+  at::parallel_for(0, K, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t n = 0; n < N; ++n) {
+        const T* row = grad_output + (n * K + k) * ohw;
+        for (int64_t o = 0; o < ohw; ++o) dy[o * dy_stride + k * N + n] = row[o];
+      }
+  });
+  // X[n][c][i] -> x[i][panel][n][c - panel·width], zero past C: per pixel, each panel's N x columns as gemm
+  // packs them for that product (a narrow last panel in the narrow tile's panels).
+  std::vector<int64_t> panel_offset(panels + 1, 0), panel_width(panels);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t columns = std::min(C - p * width, width);
+    panel_width[p] = packed_b_panel_width<T>(K, columns);
+    panel_offset[p + 1] = panel_offset[p] + (columns + panel_width[p] - 1) / panel_width[p] * panel_width[p] * N;
+  }
+  const int64_t x_stride = padded_stride<T>(panel_offset[panels]);
+  const auto x = uninitialized<T>(hw * x_stride);
+  at::parallel_for(0, N, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t w = panel_width[p], columns = (panel_offset[p + 1] - panel_offset[p]) / N;
+        for (int64_t j = 0; j < columns; ++j) {
+          const int64_t c = p * width + j;
+          T* column = x.get() + panel_offset[p] + (j / w * N + n) * w + j % w;
+          const T* plane = input + (n * C + c) * hw;
+          for (int64_t i = 0; i < hw; ++i) column[i * x_stride] = c < C ? plane[i] : T(0);
+        }
+      }
+  });
+  const auto taps = uninitialized<T>(rs * K * C);  // dW[k][c][r][s] at [r·S + s][k][c]
+  // Threads take runs of (panel, tap) pairs of about equal work (columns x positions under the tap): by
+  // panels alone, 128 channels (panels of 48, 48 and 32) left one thread a third of the work, and by
+  // equal numbers of pairs 256 channels' ragged last panel of 16 left the other waiting 7% of the time.
+  const auto positions = [&](int64_t r, int64_t s) {  // output pixels whose tap (r, s) is inside the input
+    int64_t rows = 0, columns = 0;
+    for (int64_t oh = 0; oh < g.out_h; ++oh)
+      rows += oh * g.stride_h - g.pad_top + r * g.dilation_h >= 0 &&
+              oh * g.stride_h - g.pad_top + r * g.dilation_h < g.height;
+    for (int64_t ow = 0; ow < g.out_w; ++ow)
+      columns += ow * g.stride_w - g.pad_left + s * g.dilation_w >= 0 &&
+                 ow * g.stride_w - g.pad_left + s * g.dilation_w < g.width;
+    return rows * columns;
+  };
+  std::vector<int64_t> done(panels * rs + 1, 0);  // work of the pairs before each
+  for (int64_t item = 0; item < panels * rs; ++item)
+    done[item + 1] = done[item] + std::min(C - item / rs * width, width) *
+                                      positions(item % rs / g.kernel_w, item % g.kernel_w);
+  const int64_t parts = at::in_parallel_region() ? 1 : at::get_num_threads();
+  at::parallel_for(0, parts, 1, [&](int64_t part0, int64_t part1) {
+    const auto first_item = [&](int64_t part) -> int64_t {
+      if (part == parts) return panels * rs;  // past pairs of no work too
+      return std::lower_bound(done.begin(), done.end() - 1, done.back() * part / parts) - done.begin();
+    };
+    for (int64_t item = first_item(part0); item < first_item(part1); ++item) {
+      const int64_t panel = item / rs, r = item % rs / g.kernel_w, s = item % g.kernel_w;
+      const int64_t c0 = panel * width, columns = std::min(C - c0, width);
+      T* tap = taps.get() + (r * g.kernel_w + s) * K * C + c0;
+      bool first = true;
+      for (int64_t o = 0; o < ohw; ++o) {
+        const int64_t ih = o / g.out_w * g.stride_h - g.pad_top + r * g.dilation_h;
+        const int64_t iw = o % g.out_w * g.stride_w - g.pad_left + s * g.dilation_w;
+        if (ih < 0 || ih >= g.height || iw < 0 || iw >= g.width) continue;
+        gemm_packed_b<T>(K, columns, N, dy.get() + o * dy_stride, N, 1,
+                         x.get() + (ih * g.width + iw) * x_stride + panel_offset[panel], tap, C, /*accumulate=*/!first);
+        first = false;
+      }
+      if (first)  // every position's tap in the padding
+        for (int64_t k = 0; k < K; ++k) std::fill_n(tap + k * C, columns, T(0));
+    }
+  });
+  at::parallel_for(0, K, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t t = 0; t < rs; ++t) grad_weight[(k * C + c) * rs + t] = taps[(t * K + k) * C + c];
   });
 }
 
@@ -818,6 +910,8 @@ void conv2d_backward_weight(const ConvGeometry& g, const T* grad_output, const T
     std::fill_n(grad_weight, K * patch, T(0));
     return;
   }
+  if (convolves_by_position<T>(g) && g.batch <= block_sizes<T>(active_cpu_path()).max_single_k_block)
+    return weight_gradient_by_position(g, grad_output, input, grad_weight);
   const auto staged = plan.per_image ? nullptr : staged_grad_output(g, grad_output);
   // Threads own columns of dW (rows of im2col), a block of them at a time: each gathers only
   // those rows of every chunk, and sums its columns over the chunks in order.
