@@ -106,6 +106,18 @@ def test_bench_conv_notes_the_rows_where_a_side_page_faulted():
     assert notes == ["note: 64->64@32k3s1 backward: page faults per call: torch 30,724 (bench/README.md, Memory)"]
 
 
+def test_bench_conv_says_when_ext_passes_the_peak_by_skipping_the_padding(capsys):
+    from bench import conv as bench_conv
+    from bench.linear import Row
+    shape = bench_conv.ConvShape(512, 512, 4, 3, 1)
+    flops = bench_conv.flops(shape, 128, "forward")  # 9.66e9: at 100 GFLOP/s of peak, 0.0966 s
+    slow = [(shape, p, Row("cpu", "", (0, 0, 0), p, 1.0, 1.0, None, (1.0,))) for p in ("backward", "fwd+bwd")]
+    for ext_s, noted in ((0.09, True), (0.1, False)):
+        row = Row("cpu", "", (0, 0, 0), "forward", 0.12, ext_s, None, (1.2,))
+        lines = bench_conv.table_lines("### t", [(shape, "forward", row)] + slow, 128, flops / 0.0966 / 1e9)
+        assert any("so its share of the peak can pass 100%" in line for line in lines) == noted
+
+
 def test_bench_conv_cuda_says_when_there_is_no_gpu(tmp_path):
     from bench import conv as bench_conv
     if torch.cuda.is_available():
