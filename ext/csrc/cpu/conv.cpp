@@ -956,31 +956,26 @@ std::optional<ConvGeometry> transposed_geometry(const ConvGeometry& g) {
 
 template <typename T>
 void conv2d_backward_input(const ConvGeometry& g, const T* grad_output, const T* weight, T* grad_input) {
-  const auto t = transposed_geometry(g);
-  if (t && convolves_by_position<T>(*t)) {
-    // The transposed convolution's weight tap by tap: W'[c][r][s][k] = W[k][c][R - 1 - r][S - 1 - s].
-    const int64_t rs = g.kernel_h * g.kernel_w, C = g.in_channels, K = g.out_channels;
-    const auto taps = uninitialized<T>(K * g.patch());
-    at::parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c)
-        for (int64_t i = 0; i < rs; ++i)
-          for (int64_t k = 0; k < K; ++k) taps[(c * rs + i) * K + k] = weight[(k * C + c) * rs + rs - 1 - i];
-    });
-    return convolve_by_position<T>(*t, grad_output, taps.get(), nullptr, grad_input);
-  }
-  if (t && convolves_directly<T>(*t)) {
-    // W'[c][k][r][s] = W[k][c][R - 1 - r][S - 1 - s]
-    const int64_t rs = g.kernel_h * g.kernel_w, C = g.in_channels, K = g.out_channels;
-    const auto flipped = uninitialized<T>(K * g.patch());
+  const int64_t rs = g.kernel_h * g.kernel_w, C = g.in_channels, K = g.out_channels;
+  // The transposed convolution's weight, W'[c][k][r][s] = W[k][c][R - 1 - r][S - 1 - s], at index(c, k, r·S + s).
+  const auto transposed_weight = [&](auto index) {
+    auto out = uninitialized<T>(K * g.patch());
     at::parallel_for(0, C, 16, [&](int64_t c0, int64_t c1) {
       for (int64_t c = c0; c < c1; ++c)
         for (int64_t k = 0; k < K; ++k)
-          for (int64_t i = 0; i < rs; ++i) flipped[(c * K + k) * rs + i] = weight[(k * C + c) * rs + rs - 1 - i];
+          for (int64_t i = 0; i < rs; ++i) out[index(c, k, i)] = weight[(k * C + c) * rs + rs - 1 - i];
     });
+    return out;
+  };
+  if (const auto t = transposed_geometry(g); t && convolves_by_position<T>(*t)) {
+    const auto taps = transposed_weight([&](int64_t c, int64_t k, int64_t i) { return (c * rs + i) * K + k; });
+    return convolve_by_position<T>(*t, grad_output, taps.get(), nullptr, grad_input);
+  } else if (t && convolves_directly<T>(*t)) {
+    const auto flipped = transposed_weight([&](int64_t c, int64_t k, int64_t i) { return (c * K + k) * rs + i; });
     return conv2d_forward<T>(*t, grad_output, flipped.get(), nullptr, grad_input);
   }
   const ChunkPlan plan = plan_chunks<T>(g);
-  const int64_t K = g.out_channels, patch = g.patch(), rs = g.kernel_h * g.kernel_w;
+  const int64_t patch = g.patch();
   const int64_t hw = g.out_pixels_per_image(), in_hw = g.in_pixels_per_image();
   // dcol is computed a block of whole channels at a time and scattered while it is in L2.
   const int64_t block_channels = std::max<int64_t>(1, patch_block_rows<T>(patch) / rs);
