@@ -564,7 +564,8 @@ constexpr int64_t kPositionMaxPixels = 64, kPositionMinBatch = 64;
 template <typename T>
 bool convolves_by_position(const ConvGeometry& g) {
   return g.kernel_h * g.kernel_w > 1 && g.out_pixels_per_image() <= kPositionMaxPixels &&
-         g.in_pixels_per_image() <= kPositionMaxPixels && g.batch >= kPositionMinBatch && g.batch <= block_sizes<T>(active_cpu_path()).nc;
+         g.in_pixels_per_image() <= kPositionMaxPixels && g.batch >= kPositionMinBatch &&
+         g.batch <= block_sizes<T>(active_cpu_path()).nc;
 }
 
 // How convolve_by_position lays X out: for input pixel i and channel block cb (channels c0 ..
