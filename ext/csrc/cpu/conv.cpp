@@ -128,18 +128,23 @@ void list_row_runs(const ConvGeometry& g, Chunk chunk, std::vector<RowRun>& runs
 thread_local std::vector<RowRun> t_runs;
 
 // Where patch element kk = (c, r, s) reads: input row ih = oh·stride_h + row_offset, column
-// iw = ow·stride_w + column_offset, valid for output columns [ow_lo, ow_hi).
+// iw = ow·stride_w + column_offset, inside the input for output columns [ow_lo, ow_hi) and rows
+// [oh_lo, oh_hi).
 struct PatchElement {
-  int64_t c, row_offset, column_offset, ow_lo, ow_hi;
+  int64_t c, row_offset, column_offset, ow_lo, ow_hi, oh_lo, oh_hi;
+  bool inside(int64_t oh, int64_t ow) const { return oh >= oh_lo && oh < oh_hi && ow >= ow_lo && ow < ow_hi; }
+  int64_t outputs_inside() const { return (oh_hi - oh_lo) * (ow_hi - ow_lo); }
 };
 
 inline PatchElement patch_element(const ConvGeometry& g, int64_t kk) {
   const int64_t rs = g.kernel_h * g.kernel_w;
   const int64_t c = kk / rs, r = kk % rs / g.kernel_w, s = kk % g.kernel_w;
-  const int64_t column_offset = s * g.dilation_w - g.pad_left;
+  const int64_t row_offset = r * g.dilation_h - g.pad_top, column_offset = s * g.dilation_w - g.pad_left;
   const int64_t ow_lo = std::clamp<int64_t>(ceil_div(-column_offset, g.stride_w), 0, g.out_w);
   const int64_t ow_hi = std::clamp<int64_t>(ceil_div(g.width - column_offset, g.stride_w), ow_lo, g.out_w);
-  return {c, r * g.dilation_h - g.pad_top, column_offset, ow_lo, ow_hi};
+  const int64_t oh_lo = std::clamp<int64_t>(ceil_div(-row_offset, g.stride_h), 0, g.out_h);
+  const int64_t oh_hi = std::clamp<int64_t>(ceil_div(g.height - row_offset, g.stride_h), oh_lo, g.out_h);
+  return {c, row_offset, column_offset, ow_lo, ow_hi, oh_lo, oh_hi};
 }
 
 // The short runs of im2col and col2im (an 8x8 image's rows are 8 values) in whole vectors of
@@ -624,17 +629,14 @@ void convolve_by_position(const ConvGeometry& g, const T* input, const T* weight
       const int64_t oh = o / g.out_w, ow = o % g.out_w;
       T* yo = y.get() + o * y_stride;
       bool first = true;
-      for (int64_t r = 0; r < g.kernel_h; ++r) {
-        const int64_t ih = oh * g.stride_h - g.pad_top + r * g.dilation_h;
-        if (ih < 0 || ih >= g.height) continue;
-        for (int64_t s = 0; s < g.kernel_w; ++s) {
-          const int64_t iw = ow * g.stride_w - g.pad_left + s * g.dilation_w;
-          if (iw < 0 || iw >= g.width) continue;
-          for (int64_t c0 = 0; c0 < C; c0 += l.block_channels) {
-            gemm_packed_b<T>(K, N, l.block_count(c0), weight_taps + (r * g.kernel_w + s) * C + c0, rs * C, 1,
-                             x.get() + l.offset(ih * g.width + iw, c0), yo, npad, /*accumulate=*/!first);
-            first = false;
-          }
+      for (int64_t tap = 0; tap < rs; ++tap) {
+        const PatchElement e = patch_element(g, tap);
+        if (!e.inside(oh, ow)) continue;
+        const int64_t i = (oh * g.stride_h + e.row_offset) * g.width + ow * g.stride_w + e.column_offset;
+        for (int64_t c0 = 0; c0 < C; c0 += l.block_channels) {
+          gemm_packed_b<T>(K, N, l.block_count(c0), weight_taps + tap * C + c0, rs * C, 1, x.get() + l.offset(i, c0),
+                           yo, npad, /*accumulate=*/!first);
+          first = false;
         }
       }
       if (first) std::fill_n(yo, K * npad, T(0));  // every tap in the padding
@@ -701,20 +703,9 @@ void weight_gradient_by_position(const ConvGeometry& g, const T* grad_output, co
   // Threads take runs of (panel, tap) pairs of about equal work (columns x positions under the tap): by
   // panels alone, 128 channels (panels of 48, 48 and 32) left one thread a third of the work, and by
   // equal numbers of pairs 256 channels' ragged last panel of 16 left the other waiting 7% of the time.
-  const auto positions = [&](int64_t r, int64_t s) {  // output pixels whose tap (r, s) is inside the input
-    int64_t rows = 0, columns = 0;
-    for (int64_t oh = 0; oh < g.out_h; ++oh)
-      rows += oh * g.stride_h - g.pad_top + r * g.dilation_h >= 0 &&
-              oh * g.stride_h - g.pad_top + r * g.dilation_h < g.height;
-    for (int64_t ow = 0; ow < g.out_w; ++ow)
-      columns += ow * g.stride_w - g.pad_left + s * g.dilation_w >= 0 &&
-                 ow * g.stride_w - g.pad_left + s * g.dilation_w < g.width;
-    return rows * columns;
-  };
   std::vector<int64_t> done(panels * rs + 1, 0);  // work of the pairs before each
   for (int64_t item = 0; item < panels * rs; ++item)
-    done[item + 1] = done[item] + std::min(C - item / rs * width, width) *
-                                      positions(item % rs / g.kernel_w, item % g.kernel_w);
+    done[item + 1] = done[item] + std::min(C - item / rs * width, width) * patch_element(g, item % rs).outputs_inside();
   const int64_t parts = at::in_parallel_region() ? 1 : at::get_num_threads();
   at::parallel_for(0, parts, 1, [&](int64_t part0, int64_t part1) {
     const auto first_item = [&](int64_t part) -> int64_t {
@@ -722,16 +713,16 @@ void weight_gradient_by_position(const ConvGeometry& g, const T* grad_output, co
       return std::lower_bound(done.begin(), done.end() - 1, done.back() * part / parts) - done.begin();
     };
     for (int64_t item = first_item(part0); item < first_item(part1); ++item) {
-      const int64_t panel = item / rs, r = item % rs / g.kernel_w, s = item % g.kernel_w;
-      const int64_t c0 = panel * width, columns = std::min(C - c0, width);
-      T* tap = taps.get() + (r * g.kernel_w + s) * K * C + c0;
+      const int64_t panel = item / rs, c0 = panel * width, columns = std::min(C - c0, width);
+      const PatchElement e = patch_element(g, item % rs);
+      T* tap = taps.get() + item % rs * K * C + c0;
       bool first = true;
       for (int64_t o = 0; o < ohw; ++o) {
-        const int64_t ih = o / g.out_w * g.stride_h - g.pad_top + r * g.dilation_h;
-        const int64_t iw = o % g.out_w * g.stride_w - g.pad_left + s * g.dilation_w;
-        if (ih < 0 || ih >= g.height || iw < 0 || iw >= g.width) continue;
-        gemm_packed_b<T>(K, columns, N, dy.get() + o * dy_stride, N, 1,
-                         x.get() + (ih * g.width + iw) * x_stride + panel_offset[panel], tap, C, /*accumulate=*/!first);
+        const int64_t oh = o / g.out_w, ow = o % g.out_w;
+        if (!e.inside(oh, ow)) continue;
+        const int64_t i = (oh * g.stride_h + e.row_offset) * g.width + ow * g.stride_w + e.column_offset;
+        gemm_packed_b<T>(K, columns, N, dy.get() + o * dy_stride, N, 1, x.get() + i * x_stride + panel_offset[panel],
+                         tap, C, /*accumulate=*/!first);
         first = false;
       }
       if (first)  // every position's tap in the padding
