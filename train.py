@@ -271,15 +271,17 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, settings.autocast_dtype, enabled=settings.autocast_dtype is not None):
             logits = model(images)
-            batch_loss_sum = F.cross_entropy(logits, labels, reduction="sum")
-        # the mean over the step's whole batch; under torchrun this process holds a part of it and DDP
-        # averages the processes' gradients, hence the factor world_size
-        loss = batch_loss_sum / step_batch_size(len(labels), device) * world_size
+            batch_loss = F.cross_entropy(logits, labels)  # this process's mean: one op, not a sum and a divide
+        loss = batch_loss
+        if world_size > 1:
+            # the mean over the step's whole batch, of which this process holds a part, times world_size
+            # since DDP averages the processes' gradients
+            loss = batch_loss * (len(labels) * world_size / step_batch_size(len(labels), device))
         optimizer.zero_grad(set_to_none=True)
         settings.scaler.scale(loss).backward()
         settings.scaler.step(optimizer)
         settings.scaler.update()
-        loss_sum += batch_loss_sum.detach()
+        loss_sum.add_(batch_loss.detach(), alpha=len(labels))
         correct += (logits.argmax(dim=1) == labels).sum()
         num_samples += len(labels)
         clock.mark()

@@ -131,7 +131,7 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("data.download=maybe", "data.download=maybe is invalid: it must be true or false"),
     ("~seed", "seed is missing"),
     # a key another option of the group has, which this option's class does not take
-    ("+optim.momentum=0.5", "optim.momentum is not a setting of torch.optim.AdamW: it takes lr, betas, eps,"),
+    ("+optim.momentum=0.5", "optim.momentum is not a setting of trainer.optim.AdamW: it takes lr, betas, eps,"),
     ("sched=onecycle +sched.eta_min=0", "sched.eta_min is not a setting of torch.optim.lr_scheduler.OneCycleLR"),
 ])
 def test_validate_names_the_bad_setting(override, message):
@@ -164,7 +164,7 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["+trainer.epoch=3"], ["trainer.epoch is not a setting; did you mean trainer.epochs?"]),
     (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
     (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
-    (["+optim.momentum=0.9"], ["optim.momentum is not a setting of torch.optim.AdamW"]),
+    (["+optim.momentum=0.9"], ["optim.momentum is not a setting of trainer.optim.AdamW"]),
 ])
 def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, names):
     result = subprocess.run(
@@ -261,7 +261,7 @@ def test_the_documented_defaults():
     # README's Configuration: what `python train.py` runs with when nothing is said
     cfg = config.load_config([])
     assert (cfg.model.name, cfg.linear.name, cfg.data.name) == ("mlp", "custom", "digits")
-    assert cfg.optim._target_ == "torch.optim.AdamW"
+    assert cfg.optim._target_ == "trainer.optim.AdamW"
     assert cfg.sched._target_ == "torch.optim.lr_scheduler.CosineAnnealingLR" and "search" not in cfg
     assert (cfg.trainer.device, cfg.trainer.threads, cfg.data.loader) == ("auto", "auto", "memory")
     with config.initialize_config_dir(str(config.CONF_DIR), version_base="1.3"):
