@@ -145,3 +145,18 @@ def test_the_trainers_adamw_is_this_one():
 
     cfg = config.load_config(["optim=adamw"])
     assert cfg.optim._target_ == "trainer.optim.AdamW"
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_is_torchs(set_to_none):
+    model, twin = model_pair(torch.float32)
+    ours, theirs = AdamW(model.parameters()), torch.optim.AdamW(twin.parameters(), fused=True)
+    train_steps(model, ours, torch.float32, steps=1)
+    train_steps(twin, theirs, torch.float32, steps=1)
+    model[2].bias.grad = None  # one parameter without a gradient
+    twin[2].bias.grad = None
+    ours.zero_grad(set_to_none=set_to_none)
+    theirs.zero_grad(set_to_none=set_to_none)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
+    assert (model[0].weight.grad is None) == set_to_none
