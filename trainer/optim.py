@@ -3,7 +3,7 @@
 At batch 128 on a 2-core CPU a whole MLP training step takes about 0.7 ms. Around its fused kernel,
 torch.optim.AdamW's step runs Python (the group's lists rebuilt, tensors grouped by device and dtype, a
 dispatch on the options, a profiler label) that costs more in the training loop than when timed alone,
-its caches cold after the step's products. Measured on the MLP's step (bench/README.md, "Where an MLP
+its caches cold after the step's products. Measured on the MLP's step (bench/README.md, "Where the MLP
 step's time goes"): this step made it 2.6% faster (epochs alternating in one process), and zero_grad
 took 3 us of it instead of 18.
 """
