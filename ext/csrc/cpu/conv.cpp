@@ -134,6 +134,10 @@ struct PatchElement {
   int64_t c, row_offset, column_offset, ow_lo, ow_hi, oh_lo, oh_hi;
   bool inside(int64_t oh, int64_t ow) const { return oh >= oh_lo && oh < oh_hi && ow >= ow_lo && ow < ow_hi; }
   int64_t outputs_inside() const { return (oh_hi - oh_lo) * (ow_hi - ow_lo); }
+  // The input pixel (ih·W + iw) the element reads for output (oh, ow), which must be inside.
+  int64_t input_pixel(const ConvGeometry& g, int64_t oh, int64_t ow) const {
+    return (oh * g.stride_h + row_offset) * g.width + ow * g.stride_w + column_offset;
+  }
 };
 
 inline PatchElement patch_element(const ConvGeometry& g, int64_t kk) {
@@ -632,7 +636,7 @@ void convolve_by_position(const ConvGeometry& g, const T* input, const T* weight
       for (int64_t tap = 0; tap < rs; ++tap) {
         const PatchElement e = patch_element(g, tap);
         if (!e.inside(oh, ow)) continue;
-        const int64_t i = (oh * g.stride_h + e.row_offset) * g.width + ow * g.stride_w + e.column_offset;
+        const int64_t i = e.input_pixel(g, oh, ow);
         for (int64_t c0 = 0; c0 < C; c0 += l.block_channels) {
           gemm_packed_b<T>(K, N, l.block_count(c0), weight_taps + tap * C + c0, rs * C, 1, x.get() + l.offset(i, c0),
                            yo, npad, /*accumulate=*/!first);
@@ -694,8 +698,12 @@ void weight_gradient_by_position(const ConvGeometry& g, const T* grad_output, co
         for (int64_t j = 0; j < columns; ++j) {
           const int64_t c = p * width + j;
           T* column = x.get() + panel_offset[p] + (j / w * N + n) * w + j % w;
+          if (c >= C) {
+            for (int64_t i = 0; i < hw; ++i) column[i * x_stride] = T(0);
+            continue;
+          }
           const T* plane = input + (n * C + c) * hw;
-          for (int64_t i = 0; i < hw; ++i) column[i * x_stride] = c < C ? plane[i] : T(0);
+          for (int64_t i = 0; i < hw; ++i) column[i * x_stride] = plane[i];
         }
       }
   });
@@ -720,7 +728,7 @@ void weight_gradient_by_position(const ConvGeometry& g, const T* grad_output, co
       for (int64_t o = 0; o < ohw; ++o) {
         const int64_t oh = o / g.out_w, ow = o % g.out_w;
         if (!e.inside(oh, ow)) continue;
-        const int64_t i = (oh * g.stride_h + e.row_offset) * g.width + ow * g.stride_w + e.column_offset;
+        const int64_t i = e.input_pixel(g, oh, ow);
         gemm_packed_b<T>(K, columns, N, dy.get() + o * dy_stride, N, 1, x.get() + i * x_stride + panel_offset[panel],
                          tap, C, /*accumulate=*/!first);
         first = false;
