@@ -317,6 +317,40 @@ def test_sum_rows_adds_each_column_in_row_order_on_every_path(path, dtype):
             assert torch.equal(ops.linear_backward_bias(dy), expected), f"{path}: N={n}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_relu_backward_is_the_linear_backward_of_the_masked_gradient(path, dtype):
+    # linear_relu's backward masks dY and sums db in one pass of its own (autograd.cpp,
+    # relu_backward_sum_rows): every gradient must be, to the bit, what threshold_backward's
+    # mask followed by linear's backward gives, over the mask kernel's column blocks and tail,
+    # its split into 1024-column tasks (from 64k values), zero and NaN outputs, NaN in dY, and
+    # dY in layouts that take torch's threshold_backward instead.
+    lanes = block_sizes(path, dtype)["lanes"]
+    widths = sorted({1, lanes - 1, lanes + 1, 4 * lanes, 4 * lanes + 3, 9 * lanes + 1} - {0})
+    shapes = [(37, n, 11) for n in widths] + [(3, 5, 300), (64, 1100, 16), (66, 2049, 5)]
+    for (batch, out_features, in_features), has_bias, threads in itertools.product(shapes, (True, False), (1, 2)):
+        input = make(batch, in_features, dtype, "contiguous", batch)
+        weight = make(out_features, in_features, dtype, "contiguous", out_features)
+        bias = make(1, out_features, dtype, "contiguous", 3)[0] if has_bias else None
+        input[0, :] = float("nan")  # a NaN output row: its gradient passes through
+        with cpu_path(path), num_threads(threads):
+            output = ops.linear_relu(input, weight, bias)
+            assert (output == 0).any() and output.isnan().any()
+            for grad_layout in LAYOUTS:
+                grad_output = make(batch, out_features, dtype, grad_layout, 7)
+                grad_output[-1, 0] = float("nan")
+                leaves = [t.clone().requires_grad_() if t is not None else None for t in (input, weight, bias)]
+                ext.linear_relu(*leaves).backward(grad_output)
+                masked = torch.ops.aten.threshold_backward(grad_output, output, 0)
+                expected = [t.clone().requires_grad_() if t is not None else None for t in (input, weight, bias)]
+                ext.linear(*expected).backward(masked)
+                where = f"{path}, {threads} threads: {batch}x{in_features}->{out_features}, {grad_layout} dY"
+                for name, ours, reference in zip(("dX", "dW", "db"), leaves, expected):
+                    if ours is not None:
+                        torch.testing.assert_close(ours.grad, reference.grad, rtol=0, atol=0, equal_nan=True,
+                                                   msg=lambda m: f"{name} ({where}): {m}")
+
+
 def test_set_cpu_path_names_the_active_path():
     for path in PATHS:
         with cpu_path(path):

@@ -425,14 +425,17 @@ def test_dx_and_dw_run_side_by_side_on_two_threads_when_big_enough(fn, shape, th
         with num_threads(count), torch.profiler.profile() as profile:
             output = fn(input, weight, bias)
             output.backward(torch.ones_like(output))
-        names = [event.name for event in profile.events() if event.name.startswith("ext::linear_backward")]
-        assert sorted(names) == ["ext::linear_backward_bias", "ext::linear_backward_input",
-                                 "ext::linear_backward_weight"]  # each product profiled once, under its op's name
+        backward_names = ("ext::linear_backward", "ext::linear_relu_backward")
+        names = [event.name for event in profile.events() if event.name.startswith(backward_names)]
+        # Each product profiled once, under its op's name; with the ReLU, db is summed in the pass
+        # that applies ReLU's mask to dY, before the products (autograd.cpp).
+        bias_pass = "ext::linear_relu_backward_mask" if fn is ext.linear_relu else "ext::linear_backward_bias"
+        assert sorted(names) == sorted([bias_pass, "ext::linear_backward_input", "ext::linear_backward_weight"])
         thread_of = {event.name: event.thread for event in profile.events() if event.name.startswith("ext::")}
         ran_on = {thread_of["ext::linear_backward_input"], thread_of["ext::linear_backward_weight"]}
         assert len(ran_on) == expected_threads
-        # db rides with dX, the faster of the two products (autograd.cpp).
-        assert thread_of["ext::linear_backward_bias"] == thread_of["ext::linear_backward_input"]
+        # db rides with dX, the faster of the two products (autograd.cpp), or before both.
+        assert thread_of[bias_pass] == thread_of["ext::linear_backward_input"]
 
 
 # ---- errors: one clear message per mistake ----

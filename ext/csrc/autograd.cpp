@@ -95,15 +95,37 @@ struct Grads {
 // db goes with dX: side by side, dW was the slower of the two on every MLP shape (1
 // thread, us, dX / dW: 128x784->256 279 / 305, 512x256->256 356 / 400). Each product
 // is recorded for the profiler under its op's name.
-Grads backward_cpu(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-                   bool needs_input, bool needs_weight, bool needs_bias) {
-  const int64_t M = grad_output.size(0), N = grad_output.size(1);
+//
+// With relu_output (linear_relu), dY is first masked by ReLU's gradient, and where dY and the
+// output have contiguous rows db is summed in that same pass (cpu::relu_backward_sum_rows),
+// rather than threshold_backward's pass and then db's own: the MLP's epoch 1% faster (Zen 5,
+// 2 threads, epochs alternating in one process; medians of the paired ratios 0.989, 0.988
+// and 0.998 in three runs).
+Grads backward_cpu(const at::Tensor& grad_output_in, const at::Tensor& relu_output, const at::Tensor& input,
+                   const at::Tensor& weight, bool needs_input, bool needs_weight, bool needs_bias) {
+  const int64_t M = grad_output_in.size(0), N = grad_output_in.size(1);
   const int64_t K = needs_input ? weight.size(1) : needs_weight ? input.size(1) : 0;
-  const auto options = grad_output.options();
+  const auto options = grad_output_in.options();
   Grads grads;
   if (needs_input) grads.input = at::empty({M, K}, options);
   if (needs_weight) grads.weight = at::empty({N, K}, options);
   if (needs_bias) grads.bias = at::empty({N}, options);
+  at::Tensor grad_output = grad_output_in;
+  if (relu_output.defined()) {
+    if (grad_output_in.stride(1) == 1 && relu_output.stride(1) == 1) {
+      grad_output = at::empty({M, N}, options);
+      AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear_relu backward", [&] {
+        RECORD_FUNCTION("ext::linear_relu_backward_mask", std::vector<c10::IValue>());
+        cpu::relu_backward_sum_rows<scalar_t>(M, N, grad_output_in.const_data_ptr<scalar_t>(), grad_output_in.stride(0),
+                                              relu_output.const_data_ptr<scalar_t>(), relu_output.stride(0),
+                                              grad_output.mutable_data_ptr<scalar_t>(),
+                                              needs_bias ? grads.bias.mutable_data_ptr<scalar_t>() : nullptr);
+      });
+      needs_bias = false;  // summed already
+    } else {
+      grad_output = at::threshold_backward(grad_output_in, relu_output, 0);
+    }
+  }
   const int64_t dy_rs = grad_output.stride(0), dy_cs = grad_output.stride(1);
   AT_DISPATCH_FLOATING_TYPES(grad_output.scalar_type(), "ext.linear backward", [&] {
     const scalar_t* dy = grad_output.const_data_ptr<scalar_t>();
@@ -189,11 +211,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
     at::Tensor grad_output = grad_outputs[0];
-    // ReLU's gradient, torch's own: 0 where the output is <= 0 (NaN passes through).
-    if (ctx->saved_data["relu"].toBool()) grad_output = at::threshold_backward(grad_output, saved[2], 0);
+    const at::Tensor& relu_output = saved[2];  // undefined without the ReLU
 
     at::Tensor grad_input, grad_weight, grad_bias;
     const bool needs_grad_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(kBias);
+    // ReLU's gradient: 0 where the output is <= 0 (NaN passes through), threshold_backward's
+    // rule, which backward_cpu applies itself.
+    const bool direct = !at::GradMode::is_enabled() && plain_cpu(grad_output, input, weight);
+    if (relu_output.defined() && !direct) grad_output = at::threshold_backward(grad_output, relu_output, 0);
     if (at::GradMode::is_enabled()) {
       // create_graph: the same products through ext::linear, which records its own backward.
       if (ctx->needs_input_grad(kInput)) grad_input = handles::linear(false).call(grad_output, weight.t(), {});
@@ -201,8 +226,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       if (needs_grad_bias) grad_bias = grad_output.sum(0);
     } else {
       const bool needs_input = ctx->needs_input_grad(kInput), needs_weight = ctx->needs_input_grad(kWeight);
-      if (plain_cpu(grad_output, input, weight)) {
-        Grads grads = backward_cpu(grad_output, input, weight, needs_input, needs_weight, needs_grad_bias);
+      if (direct) {
+        Grads grads = backward_cpu(grad_output, relu_output, input, weight, needs_input, needs_weight, needs_grad_bias);
         grad_input = std::move(grads.input);
         grad_weight = std::move(grads.weight);
         grad_bias = std::move(grads.bias);

@@ -657,15 +657,20 @@ const T* ColumnChunks<T>::packed_a() {
 template class ColumnChunks<float>;
 template class ColumnChunks<double>;
 
+// Column sums (sum_rows, relu_backward_sum_rows) split over threads by columns, so each
+// column's sum keeps its order; under 64k values they stay on one thread.
+static int64_t column_sum_grain(int64_t M, int64_t N) {
+  constexpr int64_t kColumnsPerTask = 1024;
+  return M * N < 65536 ? N : kColumnsPerTask;
+}
+
 // Adds the rows of A into out. Along contiguous rows the path's vector kernel
 // sums blocks of columns held in registers; otherwise each column is a
 // contiguous run summed in place. Either way each out[n] adds its M values in
 // row order, independent of threads.
 template <typename T>
 void sum_rows(int64_t M, int64_t N, const T* A, int64_t a_rs, int64_t a_cs, T* out) {
-  constexpr int64_t kColumnsPerTask = 1024;
-  const int64_t grain = M * N < 65536 ? N : kColumnsPerTask;
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, column_sum_grain(M, N), [&](int64_t n0, int64_t n1) {
     if (a_cs == 1) {
       microkernels<T>(g_active_path).sum_rows(A + n0, a_rs, M, n1 - n0, out + n0);
     } else {
@@ -675,6 +680,16 @@ void sum_rows(int64_t M, int64_t N, const T* A, int64_t a_rs, int64_t a_cs, T* o
         out[n] = sum;
       }
     }
+  });
+}
+
+template <typename T>
+void relu_backward_sum_rows(int64_t M, int64_t N, const T* dy, int64_t dy_rs, const T* output, int64_t output_rs,
+                            T* masked, T* sums) {
+  at::parallel_for(0, N, column_sum_grain(M, N), [&](int64_t n0, int64_t n1) {
+    microkernels<T>(g_active_path)
+        .relu_backward_sum_rows(dy + n0, dy_rs, output + n0, output_rs, M, n1 - n0, masked + n0, N,
+                                sums ? sums + n0 : nullptr);
   });
 }
 
@@ -706,5 +721,9 @@ template void gemm_indexed_b<double>(int64_t, int64_t, int64_t, const double*, i
                                      const IndexedB<double>&, double*, int64_t, bool);
 template void sum_rows<float>(int64_t, int64_t, const float*, int64_t, int64_t, float*);
 template void sum_rows<double>(int64_t, int64_t, const double*, int64_t, int64_t, double*);
+template void relu_backward_sum_rows<float>(int64_t, int64_t, const float*, int64_t, const float*, int64_t, float*,
+                                            float*);
+template void relu_backward_sum_rows<double>(int64_t, int64_t, const double*, int64_t, const double*, int64_t,
+                                             double*, double*);
 
 }  // namespace ext::cpu

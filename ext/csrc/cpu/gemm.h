@@ -110,6 +110,14 @@ void sum_rows(int64_t M, int64_t N,
               const T* A, int64_t a_row_stride, int64_t a_col_stride,
               T* out);
 
+// ReLU's backward and db in one pass: masked (M x N, contiguous) = dY where the layer's
+// output is > 0, else 0 (threshold_backward's rule), and, unless sums is null, sums[n] =
+// the sum of masked's column n, the same to the bit as sum_rows of masked. dY and the
+// output must have contiguous rows (unit column stride).
+template <typename T>
+void relu_backward_sum_rows(int64_t M, int64_t N, const T* dy, int64_t dy_row_stride, const T* output,
+                            int64_t output_row_stride, T* masked, T* sums);
+
 // Which microkernel family runs. The best one this CPU supports is chosen at
 // load; tests switch paths to check that they agree.
 enum class CpuPath { Portable, Avx2Fma, Avx512 };

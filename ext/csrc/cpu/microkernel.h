@@ -89,6 +89,10 @@ struct Microkernels {
   // out[n] = sum over r of a[r * row_stride + n] for n < cols (contiguous rows,
   // db's reduction), each column adding its rows in order.
   void (*sum_rows)(const T* a, int64_t row_stride, int64_t rows, int64_t cols, T* out);
+  // ReLU's backward: masked[r, c] = 0 where output[r, c] <= 0, else dy[r, c]; with sums,
+  // also sums[c] = the column sums of masked, added as sum_rows adds. Rows contiguous.
+  void (*relu_backward_sum_rows)(const T* dy, int64_t dy_row_stride, const T* output, int64_t output_row_stride,
+                                 int64_t rows, int64_t cols, T* masked, int64_t masked_row_stride, T* sums);
 };
 
 template <typename T> Microkernels<T> portable_microkernels();

@@ -48,11 +48,13 @@ struct Avx512Double : AvxTranspose<double> {
 // float 8x48, 8x16 and 6x64; double 8x16, 8x8 and 8x16.
 template <> Microkernels<float> avx512_microkernels<float>() {
   return {make_microkernel<Avx512Float, 8, 3>(), make_microkernel<Avx512Float, 8, 1>(),
-          make_microkernel<Avx512Float, 6, 4>(), &sum_rows_contiguous<Avx512Float>};
+          make_microkernel<Avx512Float, 6, 4>(), &sum_rows_contiguous<Avx512Float>,
+          &relu_backward_sum_rows<Avx512Float>};
 }
 template <> Microkernels<double> avx512_microkernels<double>() {
   const Microkernel<double> wide = make_microkernel<Avx512Double, 8, 2>();
-  return {wide, make_microkernel<Avx512Double, 8, 1>(), wide, &sum_rows_contiguous<Avx512Double>};
+  return {wide, make_microkernel<Avx512Double, 8, 1>(), wide, &sum_rows_contiguous<Avx512Double>,
+          &relu_backward_sum_rows<Avx512Double>};
 }
 
 }  // namespace ext::cpu

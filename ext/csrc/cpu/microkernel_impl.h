@@ -206,6 +206,49 @@ void sum_rows_contiguous(const typename Simd::T* a, int64_t row_stride, int64_t 
   }
 }
 
+// ReLU's backward for rows of dY whose values are contiguous: masked = dY where the
+// layer's output is > 0, else 0 (as threshold_backward: a NaN output passes dY on),
+// and, with `sums`, the column sums of masked in the same pass, each column adding
+// its rows in order as sum_rows_contiguous does (so db is the same to the bit).
+template <class Simd>
+void relu_backward_sum_rows(const typename Simd::T* dy, int64_t dy_row_stride, const typename Simd::T* output,
+                            int64_t output_row_stride, int64_t rows, int64_t cols, typename Simd::T* masked,
+                            int64_t masked_row_stride, typename Simd::T* sums) {
+  using T = typename Simd::T;
+  using V = typename Simd::V;
+  constexpr int W = Simd::kLanes, kSumVectors = 4;
+  const V zero{};
+  auto mask = [&](int64_t r, int64_t n) {  // vector n .. n + W of row r, masked and stored
+    const V kept = load<Simd>(output + r * output_row_stride + n) <= zero ? zero : load<Simd>(dy + r * dy_row_stride + n);
+    store<Simd>(masked + r * masked_row_stride + n, kept);
+    return kept;
+  };
+  int64_t n = 0;
+  for (; n + kSumVectors * W <= cols; n += kSumVectors * W) {
+    V acc[kSumVectors] = {};
+    for (int64_t r = 0; r < rows; ++r)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kSumVectors; ++v) acc[v] += mask(r, n + v * W);
+    if (sums)
+      _Pragma("GCC unroll 4")
+      for (int v = 0; v < kSumVectors; ++v) store<Simd>(sums + n + v * W, acc[v]);
+  }
+  for (; n + W <= cols; n += W) {
+    V acc{};
+    for (int64_t r = 0; r < rows; ++r) acc += mask(r, n);
+    if (sums) store<Simd>(sums + n, acc);
+  }
+  for (; n < cols; ++n) {
+    T sum = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T kept = output[r * output_row_stride + n] <= T(0) ? T(0) : dy[r * dy_row_stride + n];
+      masked[r * masked_row_stride + n] = kept;
+      sum += kept;
+    }
+    if (sums) sums[n] = sum;
+  }
+}
+
 // Instances of an R-row tile for 1 .. kMaxTileVectors vectors of columns (at most NV).
 template <class Simd, int R, int NV, bool kUnitRowStride, bool kIndexedB = false>
 void set_tiles(typename Microkernel<typename Simd::T>::TileFn (&tiles)[kMaxTileVectors]) {
