@@ -308,6 +308,15 @@ def test_amp_is_bfloat16_where_supported_else_float16_with_a_loss_scaler(monkeyp
     assert build.step_settings(config.load_config([]), torch.device("cpu")).autocast_dtype is None  # amp is off by default
 
 
+
+def test_the_step_runs_under_autocast_only_with_amp():
+    with build.StepSettings(autocast_dtype=torch.bfloat16).autocast("cpu"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
+    with build.StepSettings().autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "tanh"])
 def test_every_documented_activation_is_accepted(activation):
     cfg = config.load_config([f"model.activation={activation}", "linear=torch"])

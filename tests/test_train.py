@@ -253,3 +253,25 @@ def test_run_description_counts_in_words():
         two = logs.describe(config.load_config(["trainer.epochs=2"]), torch.device("cpu"), 1234)
     assert "x 1 epoch |" in one and "cpu, 1 thread |" in one and "1,234 parameters" in one
     assert "x 2 epochs |" in two and "cpu, 2 threads |" in two
+
+
+def test_correct_count_counts_each_batchs_argmax_against_its_labels():
+    count = train.CorrectCount()
+    assert count.total() == 0  # an epoch without batches
+    batches = [(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), torch.tensor([1, 1, 1])),
+               (torch.tensor([[2.0, -1.0]]), torch.tensor([0]))]
+    for logits, labels in batches:
+        count.add(logits, labels)
+    assert count.total() == 3 and isinstance(count.total(), int)
+
+
+def test_evaluate_reports_the_mean_loss_and_the_accuracy_over_all_batches():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    loader = [(torch.randn(n, 4), torch.randint(0, 3, (n,))) for n in (5, 7, 1)]
+    loss, accuracy = train.evaluate(model, loader, torch.device("cpu"))
+    with torch.no_grad():
+        logits = torch.cat([model(images) for images, _ in loader])
+    labels = torch.cat([labels for _, labels in loader])
+    assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-6)
+    assert accuracy == (logits.argmax(dim=1) == labels).sum().item() / 13
