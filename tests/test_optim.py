@@ -132,6 +132,21 @@ def test_after_the_first_step_torchs_step_is_not_called(monkeypatch):
     assert all(state["step"].item() == 3 for state in optimizer.state.values())
 
 
+def test_step_counts_stay_right_when_torchs_step_runs_between_direct_ones():
+    # The direct steps add 1 to every count at once (views of one tensor); torch's step, run for a
+    # closure, adds to each view; a parameter without a gradient keeps its count.
+    model, twin = model_pair(torch.float32)
+    ours = AdamW(groups(model, 1e-2), lr=1e-2)
+    theirs = torch.optim.AdamW(groups(twin, 1e-2), lr=1e-2, fused=True)
+    for optimizer, net in ((ours, model), (theirs, twin)):
+        train_steps(net, optimizer, torch.float32, steps=3)
+        train_steps(net, optimizer, torch.float32, steps=2, closure=True)
+        train_steps(net, optimizer, torch.float32, steps=3, skip_grad=lambda m: m[0].bias)
+        train_steps(net, optimizer, torch.float32, steps=2)
+    assert_same(model, twin, ours, theirs)
+    assert [ours.state[p]["step"].item() for p in model.parameters()] == [10, 9, 10, 10]
+
+
 def test_fused_false_is_torchs_adamw_unfused():
     model, twin = model_pair(torch.float32)
     ours, theirs = AdamW(model.parameters(), fused=False), torch.optim.AdamW(twin.parameters(), fused=False)

@@ -35,7 +35,7 @@ class AdamW(torch.optim.AdamW):
             return super().step(closure)
         for tensors, group in calls:
             beta1, beta2 = group["betas"]
-            torch._foreach_add_(tensors[-1], 1)  # the step counts, as torch's step does before the kernel
+            self._count_step(group, tensors[0], tensors[-1])
             torch._fused_adamw_(*tensors, amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
                                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
         return None
@@ -48,6 +48,25 @@ class AdamW(torch.optim.AdamW):
             for param in group["params"]:
                 param.grad = None
         return None
+
+    def _count_step(self, group, params, steps):
+        """Adds 1 to the step counts, as torch's step does before the kernel: in one add where the group's
+        counts are views of one tensor, made so at its first direct step (torch's foreach add loops over
+        the counts on the CPU: 8.5 us for six, against 1.7 for one add). Torch's step, where it runs
+        instead, adds 1 to each view in place, so the counts stay right either way."""
+        if not hasattr(self, "_shared_counts"):
+            self._shared_counts = {}  # id(group) -> (the counts' tensor, its views as the group's states hold them)
+        counts, views = self._shared_counts.get(id(group), (None, ()))
+        if len(views) != len(steps) or any(view is not step for view, step in zip(views, steps)):
+            if steps[0].dim() != 0 or len({(step.dtype, step.device) for step in steps}) > 1:
+                torch._foreach_add_(steps, 1)
+                return
+            counts = torch.stack(steps)
+            steps[:] = [counts[i] for i in range(len(steps))]
+            for param, step in zip(params, steps):
+                self.state[param]["step"] = step
+            self._shared_counts[id(group)] = counts, list(steps)
+        counts.add_(1)
 
     def _scaled_by_grad_scaler(self):
         # GradScaler.step hands a fused optimizer its scale and inf flag through these attributes
