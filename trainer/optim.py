@@ -54,8 +54,10 @@ class AdamW(torch.optim.AdamW):
         counts are views of one tensor, made so at its first direct step (torch's foreach add loops over
         the counts on the CPU: 8.5 us for six, against 1.7 for one add). Torch's step, where it runs
         instead, adds 1 to each view in place, so the counts stay right either way."""
+        # id(group) -> (the counts' tensor, its views as the group's states hold them); made here, not in
+        # __init__, since an unpickled optimizer gets only torch's attributes back
         if not hasattr(self, "_shared_counts"):
-            self._shared_counts = {}  # id(group) -> (the counts' tensor, its views as the group's states hold them)
+            self._shared_counts = {}
         counts, views = self._shared_counts.get(id(group), (None, ()))
         if len(views) != len(steps) or any(view is not step for view, step in zip(views, steps)):
             if steps[0].dim() != 0 or len({(step.dtype, step.device) for step in steps}) > 1:
