@@ -1,5 +1,6 @@
 """linear-lab's hand-written operators: our own C++/CUDA GEMM kernels behind nn.Linear's
-interface, and a CPU convolution on the same GEMM behind nn.Conv2d's.
+interface, a CPU convolution on the same GEMM behind nn.Conv2d's, and the trainer's loss
+(cross_entropy, F.cross_entropy's mean in one kernel each way).
 
 Example:
     >>> import torch, ext
@@ -14,7 +15,7 @@ build_manifest = load_library()
 
 from ext.conv import conv2d  # noqa: E402  (needs the loaded ops)
 from ext.modules import Conv2d, Linear, replace_convs, replace_linears  # noqa: E402
-from ext.ops import linear, linear_relu  # noqa: E402
+from ext.ops import cross_entropy, linear, linear_relu  # noqa: E402
 
-__all__ = ["BuildError", "Conv2d", "Linear", "build_manifest", "conv2d", "linear", "linear_relu", "replace_convs",
-           "replace_linears"]
+__all__ = ["BuildError", "Conv2d", "Linear", "build_manifest", "conv2d", "cross_entropy", "linear", "linear_relu",
+           "replace_convs", "replace_linears"]

@@ -269,3 +269,29 @@ def _apply(op, input, weight, bias):
     output = op(input_2d, weight_2d, bias)
     leading = input.shape[:-1]
     return output.view(*leading, out_features) if weight.dim() == 2 else output.view(leading)
+
+
+_CROSS_ENTROPY = torch.ops.ext.cross_entropy.default
+
+
+@torch.library.register_fake("ext::cross_entropy")
+def _cross_entropy_fake(input, target, ignore_index=-100):
+    return input.new_empty(())  # a mean, whatever the shapes (the op takes torch's for the unusual ones)
+
+
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """F.cross_entropy(input, target, ignore_index=ignore_index): the mean over the rows of
+    -log softmax(input)[target], rows whose target is ignore_index left out.
+
+    input (batch, classes) float32 or float64 and target (batch,) class indices (int64) on the CPU
+    run our kernel (ext/csrc/loss.cpp): one pass forward, one backward. Anything else (CUDA,
+    other shapes or dtypes, torch.func transforms) runs F.cross_entropy, so any call F.cross_entropy
+    takes with these arguments works here too.
+
+    Example:
+        >>> loss = ext.cross_entropy(torch.randn(128, 10, requires_grad=True), torch.randint(0, 10, (128,)))
+        >>> loss.backward()
+    """
+    if has_torch_function((input, target)) or _transforms_active():
+        return torch.nn.functional.cross_entropy(input, target, ignore_index=ignore_index)
+    return _CROSS_ENTROPY(input, target, ignore_index)

@@ -1,0 +1,184 @@
+"""ext.cross_entropy (ext/csrc/loss.cpp) against F.cross_entropy: loss and gradient, float64 for exactness
+and float32 for the real path, over many shapes, with ignored rows, extreme values and the fallbacks."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ext
+
+SHAPES = [(1, 1), (1, 2), (2, 3), (7, 10), (128, 10), (129, 17), (3, 1000), (64, 257)]
+# ours within this of torch's float64 result: float64 exactly up to a few roundings, float32 as a float32
+# softmax over a row of up to 1000 values allows
+TOLERANCE = {torch.float64: dict(rtol=1e-13, atol=1e-15), torch.float32: dict(rtol=2e-5, atol=2e-7)}
+
+
+def draw(rows, classes, dtype, seed, ignored=0, scale=3.0, ignore_index=-100):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, classes, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    target = torch.randint(0, classes, (rows,), generator=generator)
+    target[torch.randperm(rows, generator=generator)[:ignored]] = ignore_index
+    return logits.requires_grad_(), target
+
+
+def loss_and_grad(fn, logits, target, upstream=1.0, **kwargs):
+    logits = logits.detach().requires_grad_()
+    loss = fn(logits, target, **kwargs)
+    (grad,) = torch.autograd.grad(loss * upstream, logits)
+    return loss.detach(), grad
+
+
+def assert_matches_torch(logits, target, upstream=1.0, **kwargs):
+    """Ours in logits' dtype against torch's in float64 on the same values."""
+    loss, grad = loss_and_grad(ext.cross_entropy, logits, target, upstream, **kwargs)
+    reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits.double(), target, upstream, **kwargs)
+    assert loss.dtype == grad.dtype == logits.dtype
+    tolerance = TOLERANCE[logits.dtype]
+    torch.testing.assert_close(loss.double(), reference_loss, equal_nan=True, **tolerance)
+    torch.testing.assert_close(grad.double(), reference_grad, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rows, classes", SHAPES)
+def test_loss_and_gradient_match_torch(rows, classes, dtype):
+    for seed in range(3):
+        assert_matches_torch(*draw(rows, classes, dtype, seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ignored_rows_are_left_out_of_the_mean_and_get_no_gradient(dtype):
+    logits, target = draw(128, 10, dtype, seed=0, ignored=37)
+    assert_matches_torch(logits, target)
+    _, grad = loss_and_grad(ext.cross_entropy, logits, target)
+    assert (grad[target == -100] == 0).all() and (grad[target != -100] != 0).any()
+    logits, target = draw(50, 10, dtype, seed=1, ignored=20, ignore_index=3)  # an index that is also a class
+    target[target == 3] = 3
+    assert_matches_torch(logits, target, ignore_index=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_row_ignored_gives_nan_and_zero_gradients_as_torch(dtype):
+    logits, target = draw(5, 4, dtype, seed=0, ignored=5)
+    loss, grad = loss_and_grad(ext.cross_entropy, logits, target)
+    reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits, target)
+    assert loss.isnan() and reference_loss.isnan()
+    torch.testing.assert_close(grad, reference_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_upstream_gradient_scales_the_gradient(dtype):
+    assert_matches_torch(*draw(33, 10, dtype, seed=2), upstream=-2.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scale", [1e-6, 80.0, 1e4])
+def test_tiny_and_huge_logits_stay_finite_as_in_torch(dtype, scale):
+    logits, target = draw(64, 10, dtype, seed=3, scale=scale)
+    assert_matches_torch(logits, target)
+    assert ext.cross_entropy(logits, target).isfinite()
+
+
+def test_minus_infinity_logits_and_nan_logits_behave_as_in_torch():
+    logits, target = draw(8, 5, torch.float64, seed=4)
+    with torch.no_grad():
+        logits[0, 1] = -torch.inf  # a class that cannot be: probability 0
+        logits[1, :] = -torch.inf  # a row with no possible class: NaN
+        logits[2, 3] = torch.nan
+    for rows in ([0], [1], [2]):
+        loss, reference = ext.cross_entropy(logits[rows], target[rows]), F.cross_entropy(logits[rows], target[rows])
+        torch.testing.assert_close(loss, reference, equal_nan=True, rtol=1e-13, atol=0)
+    target[0] = 0 if target[0] == 1 else target[0]
+    assert_matches_torch(logits[:1], target[:1])
+
+
+def test_a_target_that_is_no_class_is_refused_in_one_line():
+    logits = torch.randn(4, 10)
+    for bad in (10, -1):
+        target = torch.tensor([0, 1, bad, 2])
+        with pytest.raises(RuntimeError, match=rf"^ext.cross_entropy: target {bad} \(row 2\) is not a class index: "
+                                               r"with 10 classes, targets are 0..9 \(or ignore_index=-100"):
+            ext.cross_entropy(logits, target)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_double_backward_matches_torch(dtype):
+    logits, target = draw(16, 7, dtype, seed=5, ignored=3)
+
+    def second_order(fn):
+        x = logits.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(fn(x, target), x, create_graph=True)
+        return torch.autograd.grad((grad * grad.detach().sign()).sum(), x)[0]
+
+    torch.testing.assert_close(second_order(ext.cross_entropy), second_order(F.cross_entropy), **TOLERANCE[dtype])
+
+
+def test_without_gradients_the_loss_is_the_same():
+    logits, target = draw(128, 10, torch.float32, seed=6, ignored=5)
+    with_grad = ext.cross_entropy(logits, target)
+    with torch.no_grad():
+        no_grad = ext.cross_entropy(logits, target)
+    with torch.inference_mode():
+        inference = ext.cross_entropy(logits, target)
+    assert with_grad.requires_grad and not no_grad.requires_grad
+    assert torch.equal(with_grad.detach(), no_grad) and torch.equal(no_grad, inference)
+
+
+@pytest.mark.parametrize("case", ["strided rows", "transposed", "bfloat16", "1-D", "3-D", "int32 target"])
+def test_what_the_kernel_does_not_take_runs_torchs_cross_entropy(case):
+    generator = torch.Generator().manual_seed(7)
+    logits, target = torch.randn(6, 10, generator=generator), torch.randint(0, 10, (6,), generator=generator)
+    if case == "strided rows":
+        logits = torch.randn(6, 20, generator=generator)[:, ::2]
+    elif case == "transposed":
+        logits = torch.randn(10, 6, generator=generator).t()
+    elif case == "bfloat16":
+        logits = logits.bfloat16()
+    elif case == "1-D":
+        logits, target = logits[0], target[0]
+    elif case == "3-D":
+        logits, target = torch.randn(6, 10, 4, generator=generator), torch.randint(0, 10, (6, 4), generator=generator)
+    logits.requires_grad_()
+    if case == "int32 target":  # refused with torch's own message
+        with pytest.raises(RuntimeError) as theirs:
+            F.cross_entropy(logits, target.int())
+        with pytest.raises(RuntimeError) as ours:
+            ext.cross_entropy(logits, target.int())
+        assert str(ours.value).splitlines()[0] == str(theirs.value).splitlines()[0]
+        return
+    loss, grad = loss_and_grad(ext.cross_entropy, logits, target)
+    reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits, target)
+    assert torch.equal(loss, reference_loss) and torch.equal(grad, reference_grad)
+
+
+def test_under_cpu_autocast_the_loss_is_float32_as_torchs():
+    logits = torch.randn(8, 10).bfloat16().requires_grad_()
+    target = torch.randint(0, 10, (8,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, reference = ext.cross_entropy(logits, target), F.cross_entropy(logits, target)
+    assert loss.dtype == reference.dtype == torch.float32
+    assert torch.equal(loss, reference)
+
+
+def test_torch_func_grad_and_fake_tensors():
+    logits, target = draw(9, 4, torch.float64, seed=8)
+    ours = torch.func.grad(lambda x: ext.cross_entropy(x, target))(logits.detach())
+    torch.testing.assert_close(ours, torch.func.grad(lambda x: F.cross_entropy(x, target))(logits.detach()))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    fake_logits, fake_target = mode.from_tensor(logits.detach()), mode.from_tensor(target)
+    with mode:
+        fake = torch.ops.ext.cross_entropy(fake_logits, fake_target)
+    assert fake.shape == () and fake.dtype == torch.float64
+
+
+def test_meta_tensors_give_a_scalar():
+    loss = ext.cross_entropy(torch.empty(5, 3, device="meta"), torch.empty(5, dtype=torch.long, device="meta"))
+    assert loss.device.type == "meta" and loss.shape == ()
+
+
+def test_the_backward_is_one_kernel_named_for_the_profiler():
+    logits, target = draw(128, 10, torch.float32, seed=9)
+    with torch.profiler.profile() as profile:
+        ext.cross_entropy(logits, target).backward()
+    names = [event.name for event in profile.events()]
+    assert "ext::cross_entropy_backward" in names
+    assert not any("log_softmax" in name or "nll_loss" in name for name in names)
