@@ -26,7 +26,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
 namespace ext {
 
@@ -53,34 +56,68 @@ at::Tensor torch_cross_entropy(const at::Tensor& input, const at::Tensor& target
   return at::cross_entropy_loss(input, target, /*weight=*/{}, kMeanReduction, ignore_index, /*label_smoothing=*/0.0);
 }
 
+// exp(x) in place for x <= 0 (a logit less its row's max), within 2 ulp of std::exp (Cephes' expf:
+// x = n ln2 + r, a degree-6 polynomial in r, times 2^n); 0 below -87, where expf's result is a
+// denormal that adds nothing to a sum of at least 1; NaN stays NaN. Written so that the compiler
+// vectorizes it, and compiled for AVX-512, AVX2 and the baseline, one picked at load time from the
+// CPU (target_clones; no FMA contraction under -std=c++20, so all three give the same results):
+// std::exp one value at a time took 4 of the op's 5.6 µs at 128x10 (Zen 5).
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void exp_nonpositive(float* values, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float x = values[i];
+    float n = std::nearbyint(x * 1.44269504088896341f);
+    n = n >= -127.0f ? n : -127.0f;  // also for NaN: the conversion below stays defined
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln 2 in two parts
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const float two_to_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+    values[i] = x < -87.0f ? 0.0f : p * two_to_n;
+  }
+}
+
+void exp_nonpositive(double* values, int64_t count) {  // float64 is the exact path: the library's exp
+  for (int64_t i = 0; i < count; ++i) values[i] = std::exp(values[i]);
+}
+
 // The mean over the rows whose target is not ignore_index of -log softmax(row)[target], as
-// log_softmax computes it: (x[t] - max) - log(sum(exp(x - max))). Where probs is given, it
-// receives each row's softmax, exp(x - max) / sum. *counted gets the number of rows counted.
-// An empty mean is 0/0, NaN, as torch's.
+// log_softmax computes it: (x[t] - max) - log(sum(exp(x - max))). probs (rows x classes) receives
+// each row's softmax, exp(x - max) / sum, where scale_probs is set, and is scratch otherwise.
+// *counted gets the number of rows counted. An empty mean is 0/0, NaN, as torch's.
 template <typename T>
 T cross_entropy_rows(int64_t rows, int64_t classes, const T* input, int64_t row_stride, const int64_t* target,
-                     int64_t ignore_index, T* probs, int64_t* counted) {
+                     int64_t ignore_index, T* probs, bool scale_probs, int64_t* counted) {
+  std::vector<T> maxima(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* x = input + i * row_stride;
+    T* p = probs + i * classes;
+    T max = x[0];
+    for (int64_t c = 1; c < classes; ++c) max = std::max(max, x[c]);
+    for (int64_t c = 0; c < classes; ++c) p[c] = x[c] - max;
+    maxima[i] = max;
+  }
+  exp_nonpositive(probs, rows * classes);  // all rows in one call: vectors run across rows of 10
   double total = 0;  // summed in double: the rows' order then hardly matters
   int64_t count = 0;
   for (int64_t i = 0; i < rows; ++i) {
-    const T* x = input + i * row_stride;
     const int64_t t = target[i];
     TORCH_CHECK(t == ignore_index || (0 <= t && t < classes), "ext.cross_entropy: target ", t, " (row ", i,
                 ") is not a class index: with ", classes, " classes, targets are 0..", classes - 1,
                 " (or ignore_index=", ignore_index, " to leave a row out)");
-    T max = x[0];
-    for (int64_t c = 1; c < classes; ++c) max = std::max(max, x[c]);
+    T* p = probs + i * classes;
     T sum = 0;
-    if (probs) {
-      T* p = probs + i * classes;
-      for (int64_t c = 0; c < classes; ++c) sum += (p[c] = std::exp(x[c] - max));
+    for (int64_t c = 0; c < classes; ++c) sum += p[c];
+    if (scale_probs) {
       const T inverse = T(1) / sum;
       for (int64_t c = 0; c < classes; ++c) p[c] *= inverse;
-    } else {
-      for (int64_t c = 0; c < classes; ++c) sum += std::exp(x[c] - max);
     }
     if (t == ignore_index) continue;
-    total -= (x[t] - max) - std::log(sum);
+    total -= (input[i * row_stride + t] - maxima[i]) - std::log(sum);
     ++count;
   }
   *counted = count;
@@ -91,11 +128,12 @@ at::Tensor cross_entropy_cpu_impl(const at::Tensor& input, const at::Tensor& tar
                                   at::Tensor* probs, int64_t* counted) {
   const auto target_c = target.contiguous();
   auto loss = at::empty({}, input.options());
-  if (probs) *probs = at::empty(input.sizes(), input.options());
+  const auto buffer = at::empty(input.sizes(), input.options());  // the softmax, or scratch
+  if (probs) *probs = buffer;
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "ext.cross_entropy", [&] {
     *loss.mutable_data_ptr<scalar_t>() = cross_entropy_rows<scalar_t>(
         input.size(0), input.size(1), input.const_data_ptr<scalar_t>(), input.stride(0),
-        target_c.const_data_ptr<int64_t>(), ignore_index, probs ? probs->mutable_data_ptr<scalar_t>() : nullptr,
+        target_c.const_data_ptr<int64_t>(), ignore_index, buffer.mutable_data_ptr<scalar_t>(), probs != nullptr,
         counted);
   });
   return loss;
