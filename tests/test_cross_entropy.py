@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import ext
+from conftest import num_threads
 
 SHAPES = [(1, 1), (1, 2), (2, 3), (7, 10), (128, 10), (129, 17), (3, 1000), (64, 257)]
 # ours within this of torch's float64 result: float64 exactly up to a few roundings, float32 as a float32
@@ -196,3 +197,23 @@ def test_float32_softmax_is_within_a_few_roundings_of_float64():
     below = torch.tensor([[0.0, -87.5], [0.0, -100.0], [0.0, -torch.inf]])  # exp under float32's normal range
     _, grad = loss_and_grad(ext.cross_entropy, below, torch.zeros(3, dtype=torch.long), upstream=3)
     assert (grad[:, 1] >= 0).all() and (grad[:, 1] < 1.2e-38).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_large_input_runs_in_blocks_on_all_threads_with_the_same_result_for_any_thread_count(dtype):
+    logits, target = draw(3001, 97, dtype, seed=10, ignored=100)  # 300k values: ten blocks of 337 rows and a rest
+    with num_threads(1):
+        one_thread = loss_and_grad(ext.cross_entropy, logits, target)
+    with num_threads(2):
+        two_threads = loss_and_grad(ext.cross_entropy, logits, target)
+    assert torch.equal(one_thread[0], two_threads[0]) and torch.equal(one_thread[1], two_threads[1])
+    assert_matches_torch(logits, target)
+    target[2999] = 97  # a target out of range in the last block, found on whichever thread runs it
+    with num_threads(2), pytest.raises(RuntimeError, match=r"^ext.cross_entropy: target 97 \(row 2999\)"):
+        ext.cross_entropy(logits, target)
+
+
+def test_an_empty_batch_gives_nan_as_torch():
+    logits, target = torch.empty(0, 10, requires_grad=True), torch.empty(0, dtype=torch.long)
+    loss, grad = loss_and_grad(ext.cross_entropy, logits, target)
+    assert loss.isnan() and F.cross_entropy(logits, target).isnan() and grad.shape == (0, 10)
