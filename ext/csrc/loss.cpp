@@ -134,34 +134,33 @@ struct BlockSum {
 };
 
 // Rows [r0, r1): -log softmax(row)[target] as log_softmax computes it, (x[t] - max) - log(sum(exp(x -
-// max))), summed over the rows whose target is not ignore_index. probs (rows x classes) receives each
-// row's softmax, exp(x - max) / sum, where scale_probs is set, and is scratch otherwise.
+// max))), summed over the rows whose target is not ignore_index. exps (rows x classes) receives each
+// row's exp(x - max) and, where given, inverse_sums (rows) each row's 1 / sum(exp(x - max)): the softmax
+// is their product, which the backward forms in its one pass rather than in a pass here (the forward of
+// 256x1000 78 -> 63 µs on 2 threads). (Cut into chunks of 2,048 values to stay in L1, the block's three
+// passes were no faster: 4096x1000's forward 1,200 µs against 980.)
 template <typename T>
 BlockSum cross_entropy_block(int64_t r0, int64_t r1, int64_t classes, const T* input, int64_t row_stride,
-                             const int64_t* target, int64_t ignore_index, T* probs, bool scale_probs) {
+                             const int64_t* target, int64_t ignore_index, T* exps, T* inverse_sums) {
   std::vector<T> maxima(r1 - r0);
   for (int64_t i = r0; i < r1; ++i) {
     const T* x = input + i * row_stride;
-    T* p = probs + i * classes;
+    T* e = exps + i * classes;
     const T max = row_max(x, classes);
-    for (int64_t c = 0; c < classes; ++c) p[c] = x[c] - max;
+    for (int64_t c = 0; c < classes; ++c) e[c] = x[c] - max;
     maxima[i - r0] = max;
   }
-  exp_nonpositive(probs + r0 * classes, (r1 - r0) * classes);  // the block at once: vectors run across rows
+  exp_nonpositive(exps + r0 * classes, (r1 - r0) * classes);  // the block at once: vectors run across rows
   BlockSum sum;
   for (int64_t i = r0; i < r1; ++i) {
     const int64_t t = target[i];
     TORCH_CHECK(t == ignore_index || (0 <= t && t < classes), "ext.cross_entropy: target ", t, " (row ", i,
                 ") is not a class index: with ", classes, " classes, targets are 0..", classes - 1,
                 " (or ignore_index=", ignore_index, " to leave a row out)");
-    T* p = probs + i * classes;
-    const T sum_p = row_sum(p, classes);
-    if (scale_probs) {
-      const T inverse = T(1) / sum_p;
-      for (int64_t c = 0; c < classes; ++c) p[c] *= inverse;
-    }
+    const T row_exp_sum = row_sum(exps + i * classes, classes);
+    if (inverse_sums) inverse_sums[i] = T(1) / row_exp_sum;
     if (t == ignore_index) continue;
-    sum.total -= (input[i * row_stride + t] - maxima[i - r0]) - std::log(sum_p);
+    sum.total -= (input[i * row_stride + t] - maxima[i - r0]) - std::log(row_exp_sum);
     ++sum.counted;
   }
   return sum;
@@ -170,11 +169,11 @@ BlockSum cross_entropy_block(int64_t r0, int64_t r1, int64_t classes, const T* i
 // The mean over the rows counted (an empty mean is 0/0, NaN, as torch's); *counted gets their number.
 template <typename T>
 T cross_entropy_rows(int64_t rows, int64_t classes, const T* input, int64_t row_stride, const int64_t* target,
-                     int64_t ignore_index, T* probs, bool scale_probs, int64_t* counted) {
+                     int64_t ignore_index, T* exps, T* inverse_sums, int64_t* counted) {
   const int64_t block_rows = rows_per_block(classes), blocks = (rows + block_rows - 1) / block_rows;
   if (blocks <= 1) {  // the common case, a training step's batch: no task to hand out
-    const BlockSum sum = cross_entropy_block(0, rows, classes, input, row_stride, target, ignore_index, probs,
-                                             scale_probs);
+    const BlockSum sum = cross_entropy_block(0, rows, classes, input, row_stride, target, ignore_index, exps,
+                                             inverse_sums);
     *counted = sum.counted;
     return static_cast<T>(sum.total / static_cast<double>(sum.counted));
   }
@@ -182,7 +181,7 @@ T cross_entropy_rows(int64_t rows, int64_t classes, const T* input, int64_t row_
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b)
       sums[b] = cross_entropy_block(b * block_rows, std::min(rows, (b + 1) * block_rows), classes, input, row_stride,
-                                    target, ignore_index, probs, scale_probs);
+                                    target, ignore_index, exps, inverse_sums);
   });
   BlockSum all;
   for (const BlockSum& sum : sums) {
@@ -193,17 +192,22 @@ T cross_entropy_rows(int64_t rows, int64_t classes, const T* input, int64_t row_
   return static_cast<T>(all.total / static_cast<double>(all.counted));
 }
 
+// The loss; where exps and inverse_sums are given, they receive what the backward needs (see
+// cross_entropy_block), else a scratch buffer takes the exps.
 at::Tensor cross_entropy_cpu_impl(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index,
-                                  at::Tensor* probs, int64_t* counted) {
+                                  at::Tensor* exps, at::Tensor* inverse_sums, int64_t* counted) {
   const auto target_c = target.contiguous();
   auto loss = at::empty({}, input.options());
-  const auto buffer = at::empty(input.sizes(), input.options());  // the softmax, or scratch
-  if (probs) *probs = buffer;
+  const auto buffer = at::empty(input.sizes(), input.options());
+  if (exps) {
+    *exps = buffer;
+    *inverse_sums = at::empty({input.size(0)}, input.options());
+  }
   AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "ext.cross_entropy", [&] {
     *loss.mutable_data_ptr<scalar_t>() = cross_entropy_rows<scalar_t>(
         input.size(0), input.size(1), input.const_data_ptr<scalar_t>(), input.stride(0),
-        target_c.const_data_ptr<int64_t>(), ignore_index, buffer.mutable_data_ptr<scalar_t>(), probs != nullptr,
-        counted);
+        target_c.const_data_ptr<int64_t>(), ignore_index, buffer.mutable_data_ptr<scalar_t>(),
+        exps ? inverse_sums->mutable_data_ptr<scalar_t>() : nullptr, counted);
   });
   return loss;
 }
@@ -212,26 +216,27 @@ at::Tensor cross_entropy_cpu_impl(const at::Tensor& input, const at::Tensor& tar
 at::Tensor cross_entropy_cpu(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index) {
   if (!plain_cpu_case(input, target)) return torch_cross_entropy(input, target, ignore_index);
   int64_t counted = 0;
-  return cross_entropy_cpu_impl(input, target, ignore_index, nullptr, &counted);
+  return cross_entropy_cpu_impl(input, target, ignore_index, nullptr, nullptr, &counted);
 }
 
 class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& target,
                             int64_t ignore_index) {
-    at::Tensor probs;
+    at::Tensor exps, inverse_sums;
     int64_t counted = 0;
-    at::Tensor loss = cross_entropy_cpu_impl(input, target, ignore_index, &probs, &counted);
-    ctx->save_for_backward({input, target, probs});
+    at::Tensor loss = cross_entropy_cpu_impl(input, target, ignore_index, &exps, &inverse_sums, &counted);
+    ctx->save_for_backward({input, target, exps, inverse_sums});
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["counted"] = counted;
     return loss;
   }
 
-  // d loss / d input[i, c] = (softmax[i, c] - [c == target[i]]) · grad / counted, 0 on ignored rows.
+  // d loss / d input[i, c] = (softmax[i, c] - [c == target[i]]) · grad / counted, 0 on ignored rows;
+  // softmax[i, c] = exps[i, c] · inverse_sums[i].
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &input = saved[0], &target = saved[1], &probs = saved[2];
+    const at::Tensor &input = saved[0], &target = saved[1], &exps = saved[2], &inverse_sums = saved[3];
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const auto counted = static_cast<double>(ctx->saved_data["counted"].toInt());
     const at::Tensor& grad = grad_outputs[0];
@@ -243,23 +248,25 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
       return {at::where(counted_rows, grad_input, at::zeros_like(grad_input)), at::Tensor(), at::Tensor()};
     }
     RECORD_FUNCTION("ext::cross_entropy_backward", std::vector<c10::IValue>());
-    const int64_t rows = probs.size(0), classes = probs.size(1);
-    auto grad_input = at::empty({rows, classes}, probs.options());
+    const int64_t rows = exps.size(0), classes = exps.size(1);
+    auto grad_input = at::empty({rows, classes}, exps.options());
     const auto target_c = target.contiguous();
-    AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "ext.cross_entropy backward", [&] {
+    AT_DISPATCH_FLOATING_TYPES(exps.scalar_type(), "ext.cross_entropy backward", [&] {
       const auto scale = static_cast<scalar_t>(grad.item<double>() / counted);
-      const scalar_t* p = probs.const_data_ptr<scalar_t>();
+      const scalar_t* e = exps.const_data_ptr<scalar_t>();
+      const scalar_t* inverse = inverse_sums.const_data_ptr<scalar_t>();
       const int64_t* t = target_c.const_data_ptr<int64_t>();
       scalar_t* g = grad_input.mutable_data_ptr<scalar_t>();
       auto rows_grad = [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; ++i) {
           scalar_t* g_row = g + i * classes;
-          const scalar_t* p_row = p + i * classes;
+          const scalar_t* e_row = e + i * classes;
           if (t[i] == ignore_index) {
             std::fill(g_row, g_row + classes, scalar_t(0));
             continue;
           }
-          for (int64_t c = 0; c < classes; ++c) g_row[c] = p_row[c] * scale;
+          const scalar_t row_scale = inverse[i] * scale;
+          for (int64_t c = 0; c < classes; ++c) g_row[c] = e_row[c] * row_scale;
           g_row[t[i]] -= scale;
         }
       };
