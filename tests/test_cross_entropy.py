@@ -217,3 +217,13 @@ def test_an_empty_batch_gives_nan_as_torch():
     logits, target = torch.empty(0, 10, requires_grad=True), torch.empty(0, dtype=torch.long)
     loss, grad = loss_and_grad(ext.cross_entropy, logits, target)
     assert loss.isnan() and F.cross_entropy(logits, target).isnan() and grad.shape == (0, 10)
+
+
+def test_torch_compile_traces_it_without_graph_breaks():
+    # traced through fake tensors, the op records torch's own loss (the kernel needs real CPU tensors)
+    logits, target = draw(16, 10, torch.float32, seed=11, ignored=2)
+    compiled = torch.compile(lambda x, t: ext.cross_entropy(x, t), fullgraph=True)
+    loss, grad = loss_and_grad(compiled, logits, target)
+    reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits, target)
+    torch.testing.assert_close(loss, reference_loss)
+    torch.testing.assert_close(grad, reference_grad)
