@@ -284,14 +284,17 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int =
     -log softmax(input)[target], rows whose target is ignore_index left out.
 
     input (batch, classes) float32 or float64 and target (batch,) class indices (int64) on the CPU
-    run our kernel (ext/csrc/loss.cpp): one pass forward, one backward. Anything else (CUDA,
-    other shapes or dtypes, torch.func transforms) runs F.cross_entropy, so any call F.cross_entropy
-    takes with these arguments works here too.
+    run our kernel (ext/csrc/loss.cpp): one pass forward, one backward (under CPU autocast, in float32).
+    Anything else (CUDA, other shapes or dtypes, torch.func transforms) runs F.cross_entropy, so any
+    call F.cross_entropy takes with these arguments works here too. It keeps the logits for a double
+    backward: changed in place before the backward, they stop it with autograd's in-place error.
 
     Example:
         >>> loss = ext.cross_entropy(torch.randn(128, 10, requires_grad=True), torch.randint(0, 10, (128,)))
         >>> loss.backward()
     """
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only
+        return torch.ops.ext.cross_entropy(input, target, ignore_index)
     if has_torch_function((input, target)) or _transforms_active():
         return torch.nn.functional.cross_entropy(input, target, ignore_index=ignore_index)
     return _CROSS_ENTROPY(input, target, ignore_index)

@@ -51,9 +51,9 @@ def test_ignored_rows_are_left_out_of_the_mean_and_get_no_gradient(dtype):
     assert_matches_torch(logits, target)
     _, grad = loss_and_grad(ext.cross_entropy, logits, target)
     assert (grad[target == -100] == 0).all() and (grad[target != -100] != 0).any()
-    logits, target = draw(50, 10, dtype, seed=1, ignored=20, ignore_index=3)  # an index that is also a class
-    target[target == 3] = 3
-    assert_matches_torch(logits, target, ignore_index=3)
+    logits, target = draw(50, 10, dtype, seed=1)
+    assert (target == 3).sum() > 1
+    assert_matches_torch(logits, target, ignore_index=3)  # an index that is also a class: its rows left out
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -84,9 +84,18 @@ def test_minus_infinity_logits_and_nan_logits_behave_as_in_torch():
         logits[0, 1] = -torch.inf  # a class that cannot be: probability 0
         logits[1, :] = -torch.inf  # a row with no possible class: NaN
         logits[2, 3] = torch.nan
-    for rows in ([0], [1], [2]):
-        loss, reference = ext.cross_entropy(logits[rows], target[rows]), F.cross_entropy(logits[rows], target[rows])
-        torch.testing.assert_close(loss, reference, equal_nan=True, rtol=1e-13, atol=0)
+    for rows in ([0], [1], [2], [0, 3], [1, 3], [2, 3]):
+        loss, grad = loss_and_grad(ext.cross_entropy, logits[rows], target[rows])
+        reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits[rows], target[rows])
+        torch.testing.assert_close(loss, reference_loss, equal_nan=True, rtol=1e-13, atol=0)
+        torch.testing.assert_close(grad, reference_grad, equal_nan=True, rtol=1e-13, atol=1e-16)
+    ignored = target.clone()
+    ignored[1:3] = -100  # rows of NaN: left out of the loss, but their gradient is NaN in torch's too
+    loss, grad = loss_and_grad(ext.cross_entropy, logits, ignored)
+    reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits, ignored)
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, reference_grad, equal_nan=True, rtol=1e-13, atol=1e-16)
+    assert grad[1:3].isnan().all()
     target[0] = 0 if target[0] == 1 else target[0]
     assert_matches_torch(logits[:1], target[:1])
 
@@ -95,9 +104,19 @@ def test_a_target_that_is_no_class_is_refused_in_one_line():
     logits = torch.randn(4, 10)
     for bad in (10, -1):
         target = torch.tensor([0, 1, bad, 2])
-        with pytest.raises(RuntimeError, match=rf"^ext.cross_entropy: target {bad} \(row 2\) is not a class index: "
-                                               r"with 10 classes, targets are 0..9 \(or ignore_index=-100"):
+        with pytest.raises(IndexError, match=rf"^ext.cross_entropy: target {bad} \(row 2\) is not a class index: "
+                                             r"with 10 classes, targets are 0..9 \(or ignore_index=-100"):
             ext.cross_entropy(logits, target)
+
+
+def test_a_target_changed_after_the_forward_is_refused_by_the_backward():
+    logits = torch.zeros(4, 5, requires_grad=True)
+    for bad in (7, 10**12):  # torch's backward refuses it too; read unchecked, it would index past the rows
+        target = torch.tensor([0, 1, 2, 3])
+        loss = ext.cross_entropy(logits, target)
+        target.data[3] = bad
+        with pytest.raises(IndexError, match=rf"^ext.cross_entropy: target {bad} \(row 3\) is not a class index"):
+            loss.backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -110,6 +129,9 @@ def test_double_backward_matches_torch(dtype):
         return torch.autograd.grad((grad * grad.detach().sign()).sum(), x)[0]
 
     torch.testing.assert_close(second_order(ext.cross_entropy), second_order(F.cross_entropy), **TOLERANCE[dtype])
+    target = torch.full_like(target, -100)  # no row counted: a NaN loss, and no second-order gradient
+    assert torch.equal(second_order(ext.cross_entropy), second_order(F.cross_entropy))
+    assert (second_order(ext.cross_entropy) == 0).all()
 
 
 def test_without_gradients_the_loss_is_the_same():
@@ -123,11 +145,28 @@ def test_without_gradients_the_loss_is_the_same():
     assert torch.equal(with_grad.detach(), no_grad) and torch.equal(no_grad, inference)
 
 
-@pytest.mark.parametrize("case", ["strided rows", "transposed", "bfloat16", "1-D", "3-D", "int32 target"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", ["rows padded", "one row broadcast", "overlapping rows", "one class, strided"])
+def test_the_kernel_reads_rows_through_their_stride(layout, dtype):
+    generator = torch.Generator().manual_seed(12)
+    if layout == "rows padded":
+        logits = torch.randn(6, 20, generator=generator, dtype=dtype)[:, :10]
+    elif layout == "one row broadcast":
+        logits = torch.randn(1, 10, generator=generator, dtype=dtype).expand(6, 10)
+    elif layout == "overlapping rows":
+        logits = torch.randn(40, generator=generator, dtype=dtype).as_strided((6, 10), (3, 1))
+    else:
+        logits = torch.randn(6, 3, generator=generator, dtype=dtype)[:, 1:2]
+    assert logits.stride(1) == 1 or logits.shape[1] == 1
+    target = torch.randint(0, logits.shape[1], (6,), generator=generator)
+    assert_matches_torch(logits, target)
+
+
+@pytest.mark.parametrize("case", ["strided columns", "transposed", "bfloat16", "1-D", "3-D", "int32 target"])
 def test_what_the_kernel_does_not_take_runs_torchs_cross_entropy(case):
     generator = torch.Generator().manual_seed(7)
     logits, target = torch.randn(6, 10, generator=generator), torch.randint(0, 10, (6,), generator=generator)
-    if case == "strided rows":
+    if case == "strided columns":
         logits = torch.randn(6, 20, generator=generator)[:, ::2]
     elif case == "transposed":
         logits = torch.randn(10, 6, generator=generator).t()
@@ -150,13 +189,23 @@ def test_what_the_kernel_does_not_take_runs_torchs_cross_entropy(case):
     assert torch.equal(loss, reference_loss) and torch.equal(grad, reference_grad)
 
 
-def test_under_cpu_autocast_the_loss_is_float32_as_torchs():
+def test_under_cpu_autocast_the_loss_runs_in_float32_as_torchs():
     logits = torch.randn(8, 10).bfloat16().requires_grad_()
     target = torch.randint(0, 10, (8,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, reference = ext.cross_entropy(logits, target), F.cross_entropy(logits, target)
-    assert loss.dtype == reference.dtype == torch.float32
-    assert torch.equal(loss, reference)
+        loss, grad = loss_and_grad(ext.cross_entropy, logits, target)
+        reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits, target)
+        with torch.profiler.profile() as profile:  # our kernel, on the input cast up
+            ext.cross_entropy(logits, target)
+    assert loss.dtype == reference_loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, reference_loss)
+    torch.testing.assert_close(grad, reference_grad)
+    assert not any("log_softmax" in event.name for event in profile.events())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    fake_logits, fake_target = mode.from_tensor(logits.detach()), mode.from_tensor(target)
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.ops.ext.cross_entropy(fake_logits, fake_target).dtype == torch.float32
 
 
 def test_torch_func_grad_and_fake_tensors():
@@ -201,16 +250,17 @@ def test_float32_softmax_is_within_a_few_roundings_of_float64():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_large_input_runs_in_blocks_on_all_threads_with_the_same_result_for_any_thread_count(dtype):
-    logits, target = draw(3001, 97, dtype, seed=10, ignored=100)  # 300k values: ten blocks of 337 rows and a rest
+    logits, target = draw(3001, 97, dtype, seed=10, ignored=100)  # 291k values: 8 blocks of 337 rows and a rest
     with num_threads(1):
         one_thread = loss_and_grad(ext.cross_entropy, logits, target)
     with num_threads(2):
         two_threads = loss_and_grad(ext.cross_entropy, logits, target)
     assert torch.equal(one_thread[0], two_threads[0]) and torch.equal(one_thread[1], two_threads[1])
     assert_matches_torch(logits, target)
-    target[2999] = 97  # a target out of range in the last block, found on whichever thread runs it
-    with num_threads(2), pytest.raises(RuntimeError, match=r"^ext.cross_entropy: target 97 \(row 2999\)"):
-        ext.cross_entropy(logits, target)
+    target[2999], target[2000] = 97, 500  # targets out of range in two blocks: the first is named
+    for _ in range(5):
+        with num_threads(2), pytest.raises(IndexError, match=r"^ext.cross_entropy: target 500 \(row 2000\)"):
+            ext.cross_entropy(logits, target)
 
 
 def test_an_empty_batch_gives_nan_as_torch():
@@ -227,3 +277,14 @@ def test_torch_compile_traces_it_without_graph_breaks():
     reference_loss, reference_grad = loss_and_grad(F.cross_entropy, logits, target)
     torch.testing.assert_close(loss, reference_loss)
     torch.testing.assert_close(grad, reference_grad)
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.script` is deprecated:FutureWarning")  # it still works
+def test_torchscript_compiles_a_module_that_calls_it():
+    class Loss(torch.nn.Module):
+        def forward(self, logits, target):
+            return ext.cross_entropy(logits, target)
+
+    scripted = torch.jit.script(Loss())
+    logits, target = draw(8, 5, torch.float64, seed=13, ignored=1)
+    torch.testing.assert_close(scripted(logits, target), F.cross_entropy(logits, target), rtol=1e-13, atol=0)

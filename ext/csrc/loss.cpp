@@ -15,6 +15,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/one_hot.h>
@@ -22,6 +23,7 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros_like.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -62,9 +64,11 @@ at::Tensor torch_cross_entropy(const at::Tensor& input, const at::Tensor& target
 // x = n ln2 + r, a degree-6 polynomial in r, times 2^n); 0 below -87, where expf's result is a
 // denormal that adds nothing to a sum of at least 1; NaN stays NaN. Written so that the compiler
 // vectorizes it, and compiled for AVX-512, AVX2 and the baseline, one picked at load time from the
-// CPU (target_clones; no FMA contraction under -std=c++20, so all three give the same results):
-// std::exp one value at a time took 4 of the op's 5.6 µs at 128x10 (Zen 5).
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// CPU (target_clones), with no multiply-add contracted into an FMA (GCC contracts in C++ by default,
+// and only the AVX2 and AVX-512 copies have FMAs: their results differed from the baseline's in 1% of
+// values), so that every CPU gets the same bits: std::exp one value at a time took 4 of the op's 5.6 µs
+// at 128x10 (Zen 5).
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), optimize("fp-contract=off")))
 void exp_nonpositive(float* values, int64_t count) {
   for (int64_t i = 0; i < count; ++i) {
     const float x = values[i];
@@ -154,9 +158,6 @@ BlockSum cross_entropy_block(int64_t r0, int64_t r1, int64_t classes, const T* i
   BlockSum sum;
   for (int64_t i = r0; i < r1; ++i) {
     const int64_t t = target[i];
-    TORCH_CHECK(t == ignore_index || (0 <= t && t < classes), "ext.cross_entropy: target ", t, " (row ", i,
-                ") is not a class index: with ", classes, " classes, targets are 0..", classes - 1,
-                " (or ignore_index=", ignore_index, " to leave a row out)");
     const T row_exp_sum = row_sum(exps + i * classes, classes);
     if (inverse_sums) inverse_sums[i] = T(1) / row_exp_sum;
     if (t == ignore_index) continue;
@@ -192,11 +193,24 @@ T cross_entropy_rows(int64_t rows, int64_t classes, const T* input, int64_t row_
   return static_cast<T>(all.total / static_cast<double>(all.counted));
 }
 
+// Every target a class index or ignore_index, checked before any kernel reads one, on the calling
+// thread (so that of several bad targets the first is named), and again by the backward: a target
+// changed in place after the forward must not index out of its row. torch raises IndexError here too.
+void check_targets(const int64_t* target, int64_t rows, int64_t classes, int64_t ignore_index) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = target[i];
+    TORCH_CHECK_INDEX(t == ignore_index || (0 <= t && t < classes), "ext.cross_entropy: target ", t, " (row ", i,
+                      ") is not a class index: with ", classes, " classes, targets are 0..", classes - 1,
+                      " (or ignore_index=", ignore_index, " to leave a row out)");
+  }
+}
+
 // The loss; where exps and inverse_sums are given, they receive what the backward needs (see
 // cross_entropy_block), else a scratch buffer takes the exps.
 at::Tensor cross_entropy_cpu_impl(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index,
                                   at::Tensor* exps, at::Tensor* inverse_sums, int64_t* counted) {
   const auto target_c = target.contiguous();
+  check_targets(target_c.const_data_ptr<int64_t>(), input.size(0), input.size(1), ignore_index);
   auto loss = at::empty({}, input.options());
   const auto buffer = at::empty(input.sizes(), input.options());
   if (exps) {
@@ -244,7 +258,10 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
       // create_graph (or anything unusual): the same formula from differentiable ops
       const auto counted_rows = target.ne(ignore_index).unsqueeze(1);
       const auto one_hot = at::one_hot(at::where(counted_rows.squeeze(1), target, 0), input.size(1));
-      const auto grad_input = at::softmax(input, 1).sub(one_hot.to(input.scalar_type())).mul(grad.div(counted));
+      // (a mean of no rows has no gradient: divided by 1 rather than 0, so that where's backward
+      // multiplies 0 by a finite factor, as torch's double backward gives 0 there)
+      const auto grad_input =
+          at::softmax(input, 1).sub(one_hot.to(input.scalar_type())).mul(grad.div(std::max(counted, 1.0)));
       return {at::where(counted_rows, grad_input, at::zeros_like(grad_input)), at::Tensor(), at::Tensor()};
     }
     RECORD_FUNCTION("ext::cross_entropy_backward", std::vector<c10::IValue>());
@@ -257,17 +274,17 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
       const scalar_t* inverse = inverse_sums.const_data_ptr<scalar_t>();
       const int64_t* t = target_c.const_data_ptr<int64_t>();
       scalar_t* g = grad_input.mutable_data_ptr<scalar_t>();
+      check_targets(t, rows, classes, ignore_index);
       auto rows_grad = [&](int64_t r0, int64_t r1) {
         for (int64_t i = r0; i < r1; ++i) {
           scalar_t* g_row = g + i * classes;
           const scalar_t* e_row = e + i * classes;
-          if (t[i] == ignore_index) {
-            std::fill(g_row, g_row + classes, scalar_t(0));
-            continue;
-          }
-          const scalar_t row_scale = inverse[i] * scale;
+          const bool ignored = t[i] == ignore_index;
+          // an ignored row's gradient is softmax · 0, as torch's: 0, or NaN where its logits make the
+          // softmax NaN (a NaN, or a row all -inf)
+          const scalar_t row_scale = inverse[i] * (ignored ? scalar_t(0) : scale);
           for (int64_t c = 0; c < classes; ++c) g_row[c] = e_row[c] * row_scale;
-          g_row[t[i]] -= scale;
+          if (!ignored) g_row[t[i]] -= scale;
         }
       };
       const int64_t block_rows = rows_per_block(classes);
@@ -277,6 +294,15 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     return {grad_input, at::Tensor(), at::Tensor()};
   }
 };
+
+// Under CPU autocast the loss runs in float32, autocast's rule for torch's cross_entropy: a bfloat16
+// input is cast up, then the op runs (our kernel) with autocast off.
+at::Tensor cross_entropy_autocast_cpu(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+  static const auto op = handles::find<Signature>("ext::cross_entropy");
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  return op.call(at::autocast::cached_cast(at::kFloat, input, c10::DeviceType::CPU), target, ignore_index);
+}
 
 at::Tensor cross_entropy_autograd(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index) {
   if (!plain_cpu_case(input, target)) return torch_cross_entropy(input, target, ignore_index);
@@ -295,6 +321,7 @@ TORCH_LIBRARY_FRAGMENT(ext, m) {
 
 TORCH_LIBRARY_IMPL(ext, Autograd, m) { m.impl("cross_entropy", &cross_entropy_autograd); }
 TORCH_LIBRARY_IMPL(ext, CPU, m) { m.impl("cross_entropy", &cross_entropy_cpu); }
+TORCH_LIBRARY_IMPL(ext, AutocastCPU, m) { m.impl("cross_entropy", &cross_entropy_autocast_cpu); }
 // Every other backend (CUDA, sparse, ...) below autograd, as under torch.inference_mode: torch's.
 TORCH_LIBRARY_IMPL(ext, CompositeExplicitAutograd, m) { m.impl("cross_entropy", &torch_cross_entropy); }
 
