@@ -29,7 +29,6 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 import data
-import ext
 from trainer import checkpoint, memory, summary
 from trainer.build import (StepSettings, build_training, flop_shares, make_deterministic, make_loaders,
                            make_model, pick_device, read_dataset, step_settings, threads_per_process,
@@ -281,6 +280,8 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
     loss_sum = torch.zeros((), device=device)
     correct = CorrectCount()
     num_samples = 0
+    # trainer.loss: ext.cross_entropy (one kernel each way, ext/csrc/loss.cpp) by default, for either linear
+    loss_function = settings.loss_function()
     synchronize(device)
     start_s = time.perf_counter()
     clock = StepClock(device)
@@ -290,8 +291,7 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
         labels = labels.to(device, non_blocking=True)
         with settings.autocast(device.type):
             logits = model(images)
-            # this process's mean, F.cross_entropy's in one kernel each way (ext/csrc/loss.cpp), for either layer
-            batch_loss = ext.cross_entropy(logits, labels)
+            batch_loss = loss_function(logits, labels)  # this process's mean
         loss = batch_loss
         if world_size > 1:
             # the mean over the step's whole batch, of which this process holds a part, times world_size

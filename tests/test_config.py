@@ -119,6 +119,7 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("data.batch_size=-3", "data.batch_size=-3 is invalid"),
     ("data.num_workers=-1", "data.num_workers=-1 is invalid"),
     ("data.loader=threads", "data.loader=threads is invalid: it must be one of memory, dataloader"),
+    ("trainer.loss=mse", "trainer.loss=mse is invalid: it must be one of ext, torch"),
     ("optim.lr=0", "optim.lr=0 is invalid"),
     ("optim.lr=inf", "optim.lr=inf is invalid"),
     ("optim.weight_decay=-1", "optim.weight_decay=-1 is invalid: it must be a number >= 0"),

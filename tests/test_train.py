@@ -1,5 +1,6 @@
 """train.py end to end: accuracy on digits, TensorBoard and train.log contents, checkpoints, multirun."""
 import csv
+import math
 import os
 import pickle
 import re
@@ -14,9 +15,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from conftest import num_threads
+import ext
 import models
 import train
-from trainer import checkpoint, config, logs, memory, summary
+from trainer import build, checkpoint, config, logs, memory, summary
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCH_TAGS = ["train/loss", "train/acc", "val/loss", "val/acc", "time/epoch_s", "time/train_samples_per_s",
@@ -275,3 +277,26 @@ def test_evaluate_reports_the_mean_loss_and_the_accuracy_over_all_batches():
     labels = torch.cat([labels for _, labels in loader])
     assert loss == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-6)
     assert accuracy == (logits.argmax(dim=1) == labels).sum().item() / 13
+
+
+@pytest.mark.parametrize("loss", ["ext", "torch"])
+def test_trainer_loss_picks_the_training_steps_loss(loss, monkeypatch):
+    calls = {"ext": 0, "torch": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(ext, "cross_entropy", counted("ext", ext.cross_entropy))
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", counted("torch", torch.nn.functional.cross_entropy))
+    cfg = config.load_config([f"trainer.loss={loss}"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    loader = [(torch.randn(n, 1, 2, 2), torch.randint(0, 3, (n,))) for n in (5, 7)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = train.train_one_epoch(model, loader, optimizer, torch.device("cpu"),
+                                  settings=build.step_settings(cfg, torch.device("cpu")))
+    assert calls == {"ext": 2 if loss == "ext" else 0, "torch": 2 if loss == "torch" else 0}
+    assert math.isfinite(stats.loss)

@@ -65,11 +65,17 @@ def training_module(model, cfg, device):
 @dataclass
 class StepSettings:
     """How training and evaluation steps run: under autocast to `autocast_dtype` (None: no autocast), with
-    `scaler` (a GradScaler; it scales only for float16) and images in `memory_format`."""
+    `scaler` (a GradScaler; it scales only for float16), images in `memory_format`, and the training step's
+    loss (`loss`: "ext", ext.cross_entropy, or "torch", F.cross_entropy)."""
 
     autocast_dtype: torch.dtype | None = None
     scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
     memory_format: torch.memory_format = torch.preserve_format
+    loss: str = "ext"
+
+    def loss_function(self):
+        """trainer.loss's function, looked up now (so that a test's or user's patch of it applies)."""
+        return ext.cross_entropy if self.loss == "ext" else torch.nn.functional.cross_entropy
 
     def autocast(self, device_type):
         """The forward's context: autocast to autocast_dtype, or nothing. Entering a disabled
@@ -92,6 +98,7 @@ def step_settings(cfg, device):
         autocast_dtype=dtype,
         scaler=torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
         memory_format=torch.channels_last if cfg.trainer.channels_last else torch.preserve_format,
+        loss=cfg.trainer.get("loss", "ext"),
     )
 
 

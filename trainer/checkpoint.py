@@ -219,8 +219,8 @@ def load_model_state(model, model_state, path):
 
 # What may differ from the checkpoint's config when a run continues: where it runs and which linear layers and
 # convolutions compute it (their weights are interchangeable), not what it computes.
-RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "trainer.threads", "linear", "conv",
-                    "data.root", "data.download", "data.num_workers")
+RESUME_OVERRIDES = ("trainer.resume", "trainer.eval_only", "trainer.device", "trainer.threads", "trainer.loss",
+                    "linear", "conv", "data.root", "data.download", "data.num_workers")
 
 
 def plain_value(config, key):

@@ -225,6 +225,7 @@ RULES = {
     "optim.lr": Rule(lambda v: is_number(v) and 0 < v < math.inf, "a positive number"),
     "trainer.resume": Rule(lambda v: v is None or isinstance(v, str), "a run folder or checkpoint file"),
     "trainer.eval_only": BOOL,
+    "trainer.loss": one_of(("ext", "torch")),
     "trainer.amp": BOOL,
     "trainer.compile": BOOL,
     "trainer.channels_last": BOOL,
