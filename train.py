@@ -56,6 +56,13 @@ class NonFiniteLoss(Exception):
         self.step, self.loss = step, loss
 
 
+def non_finite_loss(step, loss, loss_sum):
+    """NonFiniteLoss naming this step's loss, or the epoch's sum where this step's is finite (on a GPU the
+    sum is read only now and then, so the step that made it NaN or inf may be an earlier one)."""
+    value = loss.item()
+    return NonFiniteLoss(step, value if not math.isfinite(value) else loss_sum.item())
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     run_dir = HydraConfig.get().runtime.output_dir
@@ -277,7 +284,9 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
     settings = settings or StepSettings()
     model.train()
     _, world_size = world()
-    loss_sum = torch.zeros((), device=device)
+    # float64: summed in float32, a diverging run's finite losses (1e38 and more) overflowed the sum, and the
+    # run stopped on a "loss became 1.1e+38" that never became inf
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = CorrectCount()
     num_samples = 0
     # trainer.loss: ext.cross_entropy (one kernel each way, ext/csrc/loss.cpp) by default, for either linear
@@ -307,7 +316,7 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
         clock.mark()
         # the sum stays NaN/inf once one loss was; a GPU is only asked now and then (each read syncs)
         if (device.type == "cpu" or step % PROGRESS_EVERY_STEPS == 0) and not math.isfinite(loss_sum.item()):
-            raise NonFiniteLoss(step, loss.item())
+            raise non_finite_loss(step, loss, loss_sum)
         if progress is not None:
             progress.update(len(labels))
             if step % PROGRESS_EVERY_STEPS == 0:
@@ -315,7 +324,7 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
     synchronize(device)
     epoch_s = time.perf_counter() - start_s
     if not math.isfinite(loss_sum.item()):
-        raise NonFiniteLoss(step, loss.item())
+        raise non_finite_loss(step, loss, loss_sum)
     loss_sum, correct, num_samples = summed_over_processes([loss_sum.item(), correct.total(), num_samples], device)
     return EpochStats(loss_sum / num_samples, correct / num_samples, epoch_s, num_samples / epoch_s,
                       clock.durations_s())

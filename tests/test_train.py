@@ -300,3 +300,20 @@ def test_trainer_loss_picks_the_training_steps_loss(loss, monkeypatch):
                                   settings=build.step_settings(cfg, torch.device("cpu")))
     assert calls == {"ext": 2 if loss == "ext" else 0, "torch": 2 if loss == "torch" else 0}
     assert math.isfinite(stats.loss)
+
+
+def test_huge_finite_losses_do_not_overflow_the_epochs_sum(monkeypatch):
+    # a diverging run's losses of 1e38 summed in float32 overflowed, and the run stopped on a finite loss
+    cross_entropy = ext.cross_entropy
+    monkeypatch.setattr(ext, "cross_entropy", lambda logits, labels: cross_entropy(logits, labels) * 0 + 1e38)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    loader = [(torch.randn(8, 1, 2, 2), torch.randint(0, 3, (8,))) for _ in range(4)]
+    stats = train.train_one_epoch(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    assert stats.loss == pytest.approx(1e38, rel=1e-6)
+
+
+def test_a_non_finite_loss_names_the_steps_loss_or_else_the_sums():
+    nan, inf = float("nan"), float("inf")
+    assert math.isinf(train.non_finite_loss(3, torch.tensor(inf), torch.tensor(inf)).loss)
+    # a GPU reads the sum now and then: the step that made it NaN may be an earlier one than this finite one
+    assert math.isnan(train.non_finite_loss(3, torch.tensor(2.0), torch.tensor(nan, dtype=torch.float64)).loss)
