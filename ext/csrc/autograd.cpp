@@ -7,6 +7,7 @@
 // The backward computes only the gradients autograd asks for and saves only the
 // operands they need (dX needs W, dW needs X). With create_graph it builds the
 // gradients from differentiable ops (ext::linear itself), so double backward works.
+#include "checks.h"
 #include "cpu/gemm.h"
 #include "op_handles.h"
 
@@ -15,7 +16,6 @@
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <ATen/ops/empty.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/threshold_backward.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -30,17 +30,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 enum Input { kInput, kWeight, kBias };
-
-// Plain CPU tensors and no Python dispatch mode: the backward may call the CPU kernels
-// directly. Fake tensors (torch.compile's tracing, whose sizes may be symbolic),
-// TorchDispatchModes, CUDA and other tensors go through the ops and the dispatcher.
-bool plain_cpu(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight) {
-  static const c10::DispatchKeySet plain_cpu_keys =
-      c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
-                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
-  auto plain = [](const at::Tensor& t) { return !t.defined() || plain_cpu_keys.isSupersetOf(t.key_set()); };
-  return plain(grad_output) && plain(input) && plain(weight) && c10::impl::TorchDispatchModeTLS::stack_len() == 0;
-}
 
 // dX = dY·W and dW = dYᵀ·X cost the same; on a 2-thread CPU they run side by side, one
 // per thread, rather than one after the other with each split over both threads: no

@@ -3,11 +3,24 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
 
 namespace ext {
+
+// Plain CPU tensors (an undefined one counts) and no Python dispatch mode: a backward may call the
+// CPU kernels directly. Fake tensors (torch.compile's tracing, whose sizes may be symbolic),
+// TorchDispatchModes, CUDA and other tensors go through the ops and the dispatcher.
+template <typename... Tensors>
+bool plain_cpu(const Tensors&... tensors) {
+  static const c10::DispatchKeySet plain_cpu_keys =
+      c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
+  return ((!tensors.defined() || plain_cpu_keys.isSupersetOf(tensors.key_set())) && ...) &&
+         c10::impl::TorchDispatchModeTLS::stack_len() == 0;
+}
 
 inline void check_same_device_and_dtype(const char* op, const at::Tensor& a, const char* a_name,
                                         const at::Tensor& b, const char* b_name) {

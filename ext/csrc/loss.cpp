@@ -12,6 +12,7 @@
 // The plain CPU case (float32/float64, input N x C with contiguous rows, int64 target of N) runs
 // here; anything else (CUDA, other dtypes, fake tensors, dispatch modes) runs
 // at::cross_entropy_loss, torch's own, so the op is a drop-in wherever it is called.
+#include "checks.h"
 #include "op_handles.h"
 
 #include <ATen/Dispatch.h>
@@ -25,7 +26,6 @@
 #include <ATen/ops/zeros_like.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -47,14 +47,11 @@ constexpr int64_t kMeanReduction = 1;  // at::Reduction::Mean
 
 // The case the kernels below take; the rest goes to torch's cross_entropy_loss.
 bool plain_cpu_case(const at::Tensor& input, const at::Tensor& target) {
-  static const c10::DispatchKeySet plain_cpu_keys =
-      c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
-                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCPU});
   const auto dtype = input.scalar_type();
-  return plain_cpu_keys.isSupersetOf(input.key_set()) && plain_cpu_keys.isSupersetOf(target.key_set()) &&
-         c10::impl::TorchDispatchModeTLS::stack_len() == 0 && (dtype == at::kFloat || dtype == at::kDouble) &&
-         input.dim() == 2 && input.size(1) > 0 && (input.size(1) == 1 || input.stride(1) == 1) &&
-         target.dim() == 1 && target.scalar_type() == at::kLong && target.size(0) == input.size(0);
+  return plain_cpu(input, target) &&
+         (dtype == at::kFloat || dtype == at::kDouble) && input.dim() == 2 && input.size(1) > 0 &&
+         (input.size(1) == 1 || input.stride(1) == 1) && target.dim() == 1 && target.scalar_type() == at::kLong &&
+         target.size(0) == input.size(0);
 }
 
 at::Tensor torch_cross_entropy(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index) {
@@ -173,22 +170,20 @@ template <typename T>
 T cross_entropy_rows(int64_t rows, int64_t classes, const T* input, int64_t row_stride, const int64_t* target,
                      int64_t ignore_index, T* exps, T* inverse_sums, int64_t* counted) {
   const int64_t block_rows = rows_per_block(classes), blocks = (rows + block_rows - 1) / block_rows;
-  if (blocks <= 1) {  // the common case, a training step's batch: no task to hand out
-    const BlockSum sum = cross_entropy_block(0, rows, classes, input, row_stride, target, ignore_index, exps,
-                                             inverse_sums);
-    *counted = sum.counted;
-    return static_cast<T>(sum.total / static_cast<double>(sum.counted));
-  }
-  std::vector<BlockSum> sums(blocks);
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b)
-      sums[b] = cross_entropy_block(b * block_rows, std::min(rows, (b + 1) * block_rows), classes, input, row_stride,
-                                    target, ignore_index, exps, inverse_sums);
-  });
   BlockSum all;
-  for (const BlockSum& sum : sums) {
-    all.total += sum.total;
-    all.counted += sum.counted;
+  if (blocks <= 1) {  // the common case, a training step's batch: no task to hand out
+    all = cross_entropy_block(0, rows, classes, input, row_stride, target, ignore_index, exps, inverse_sums);
+  } else {
+    std::vector<BlockSum> sums(blocks);
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b)
+        sums[b] = cross_entropy_block(b * block_rows, std::min(rows, (b + 1) * block_rows), classes, input,
+                                      row_stride, target, ignore_index, exps, inverse_sums);
+    });
+    for (const BlockSum& sum : sums) {
+      all.total += sum.total;
+      all.counted += sum.counted;
+    }
   }
   *counted = all.counted;
   return static_cast<T>(all.total / static_cast<double>(all.counted));
@@ -308,8 +303,8 @@ at::Tensor cross_entropy_autocast_cpu(const at::Tensor& input, const at::Tensor&
 at::Tensor cross_entropy_autograd(const at::Tensor& input, const at::Tensor& target, int64_t ignore_index) {
   if (!plain_cpu_case(input, target)) return torch_cross_entropy(input, target, ignore_index);
   if (!at::GradMode::is_enabled() || !input.requires_grad()) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return cross_entropy_cpu(input, target, ignore_index);
+    int64_t counted = 0;
+    return cross_entropy_cpu_impl(input, target, ignore_index, nullptr, nullptr, &counted);
   }
   return CrossEntropyFunction::apply(input, target, ignore_index);
 }
