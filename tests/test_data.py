@@ -164,3 +164,32 @@ def test_in_memory_loader_keeps_order_without_shuffle():
     loader = data.InMemoryLoader(labels.view(7, 1).float(), labels, batch_size=3, shuffle=False)
     assert len(loader) == 3
     assert [b.tolist() for _, b in loader] == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+@pytest.mark.parametrize("num_samples, batch_size", [(10, 4), (12, 4), (1, 8), (0, 3)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batch_indices_cut_one_order_into_batches_and_deal_each_out_among_the_ranks(num_samples, batch_size, shuffle):
+    def batches(rank=0, world_size=1):
+        generator = torch.Generator().manual_seed(7)
+        return [index.tolist() for index in data.loaders.batch_indices(num_samples, batch_size, shuffle, generator,
+                                                                        rank, world_size)]
+
+    alone = batches()
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(7)).tolist() if shuffle \
+        else list(range(num_samples))
+    assert alone == [order[start:start + batch_size] for start in range(0, num_samples, batch_size)]
+    for world_size in (2, 3):
+        shards = [batches(rank, world_size) for rank in range(world_size)]
+        assert all(len(shard) == len(alone) for shard in shards)  # every rank steps as often
+        for step, batch in enumerate(alone):
+            assert [shard[step] for shard in shards] == [batch[rank::world_size] for rank in range(world_size)]
+
+
+def test_in_memory_loader_yields_the_rows_and_labels_of_its_batches_in_a_seeded_order():
+    images, labels = torch.arange(20.0).reshape(10, 2), torch.arange(10) * 10
+    first, second = (list(data.InMemoryLoader(images, labels, batch_size=4, shuffle=True, seed=3)) for _ in range(2))
+    assert [len(y) for _, y in first] == [4, 4, 2]
+    seen = torch.cat([y for _, y in first])
+    assert sorted(seen.tolist()) == labels.tolist()  # each sample once an epoch
+    for (x, y), (x2, y2) in zip(first, second):
+        assert torch.equal(x, images[y // 10]) and torch.equal(x, x2) and torch.equal(y, y2)
