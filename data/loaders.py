@@ -17,7 +17,7 @@ def batch_indices(num_samples, batch_size, shuffle, generator, rank=0, world_siz
         [[1, 3], []]
     """
     order = torch.randperm(num_samples, generator=generator) if shuffle else torch.arange(num_samples)
-    # one split an epoch rather than slicing each batch out: the MLP's epoch about 1.5% faster
+    # one split an epoch rather than slicing each batch out: the MLP's epoch about 1% faster
     # (bench/README.md, "Where the MLP step's time goes"); split makes one empty batch of no samples
     for batch in order.to(device).split(batch_size) if num_samples else ():
         yield batch[rank::world_size] if world_size > 1 else batch
