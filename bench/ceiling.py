@@ -23,7 +23,7 @@ import torch
 
 import ext  # noqa: F401  (loads the ops)
 from bench.linear import compare, fma_peak_gflops, parse_shapes, parse_threads, ratio_range, time_interleaved
-from bench.machine import command_line, describe_cpu
+from bench.machine import command_line, describe_cpu, write_markdown
 from trainer import memory
 
 DEFAULT_SHAPES = "128x256->256,128x784->256,128x1024->1024,128x2048->1000"
@@ -87,9 +87,7 @@ def main(argv=None) -> None:
         print(f"\n== {title} ==", *lines, *notes, sep="\n", flush=True)
         markdown += [f"#### {title}", "", *lines, "", *[f"- {note}" for note in notes], ""]
     if args.markdown:
-        with open(args.markdown, "w") as file:
-            file.write("\n".join(markdown))
-        print(f"markdown written to {args.markdown}")
+        write_markdown(args.markdown, markdown)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as `python bench/conv.py`
 import ext  # noqa: E402
 from bench.linear import (FAULTS_NOTED_PER_CALL, compare, fma_peak_gflops, geomean_text,  # noqa: E402
                           parse_threads, ratio_range, time_interleaved)
-from bench.machine import command_line, describe_cpu  # noqa: E402
+from bench.machine import command_line, describe_cpu, write_markdown  # noqa: E402
 from trainer import memory  # noqa: E402
 
 
@@ -192,9 +192,7 @@ def main(argv=None) -> None:
     else:
         markdown = cpu_tables(args, argv, shapes, min_run_time_s, rounds, malloc)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(markdown))
-        print(f"\nmarkdown written to {args.markdown}")
+        write_markdown(args.markdown, markdown)
 
 
 def cpu_tables(args, argv, shapes, min_run_time_s, rounds, malloc) -> list[str]:

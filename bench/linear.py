@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
 from bench import peers  # noqa: E402
-from bench.machine import command_line, describe_cpu  # noqa: E402
+from bench.machine import command_line, describe_cpu, write_markdown  # noqa: E402
 from trainer import memory  # noqa: E402
 
 MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
@@ -342,9 +342,7 @@ def main(argv=None) -> None:
     else:
         markdown += against_torch(args, shapes, min_run_time_s, rounds)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(markdown))
-        print(f"\nmarkdown written to {args.markdown}")
+        write_markdown(args.markdown, markdown)
 
 
 def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import ext
 from bench.linear import compare, geomean_text, parse_threads, ratio_range, time_interleaved
-from bench.machine import command_line, describe_cpu
+from bench.machine import command_line, describe_cpu, write_markdown
 from trainer import memory
 
 DEFAULT_SHAPES = "128x10,512x10,256x1000,4096x1000,512x32000"
@@ -86,9 +86,7 @@ def main(argv=None) -> None:
         print(f"\n== {title} ==", *lines, summary, sep="\n", flush=True)
         markdown += [f"#### {title}", "", *lines, "", f"- {summary}", ""]
     if args.markdown:
-        with open(args.markdown, "w") as file:
-            file.write("\n".join(markdown))
-        print(f"markdown written to {args.markdown}")
+        write_markdown(args.markdown, markdown)
 
 
 if __name__ == "__main__":

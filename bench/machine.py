@@ -1,5 +1,6 @@
 """The machine a figure was measured on, in one line, for every benchmark's header: a figure that does not
-name its CPU cannot be compared with another (this project's CPU has changed under it several times)."""
+name its CPU cannot be compared with another (this project's CPU has changed under it several times). And
+the command and markdown file that go with a benchmark's tables."""
 import os
 import platform
 import sys
@@ -49,6 +50,12 @@ def command_line(prog: str, argv=None) -> str:
     arguments = argv if argv is not None else sys.argv[1:]
     return f"`{' '.join([prog, *arguments])}`"
 
+
+
+def write_markdown(path, lines) -> None:
+    """Writes a benchmark's tables (markdown lines) to `path` and says so."""
+    Path(path).write_text("\n".join(lines))
+    print(f"markdown written to {path}")
 
 def describe_cpu() -> str:
     """'AMD EPYC (family 25, model 1: Zen 3; avx2, fma), 2 CPUs, L1d 32K, L2 512K, L3 32768K'."""

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import command_line, describe_cpu
+from bench.machine import command_line, describe_cpu, write_markdown
 from trainer import summary, timing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +60,7 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|", *rows, ""]
     print("\n".join(lines))
     if args.markdown:
-        Path(args.markdown).write_text("\n".join(lines))
-        print(f"markdown written to {args.markdown}")
+        write_markdown(args.markdown, lines)
 
 
 if __name__ == "__main__":

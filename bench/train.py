@@ -21,7 +21,7 @@ import statistics
 import torch
 
 import data
-from bench.machine import command_line, describe_cpu
+from bench.machine import command_line, describe_cpu, write_markdown
 import train
 from trainer import build, config, logs, memory, timing
 
@@ -119,9 +119,7 @@ def main(argv=None):
         lines = [command_line("python -m bench.train", argv), "", describe_cpu(), "", setup, "",
                  "| side | mean epoch (s) | median (s) | fastest (s) | samples/s |", "|---|---|---|---|---|",
                  *rows, "", *[f"- {line}" for line in ratio_lines], ""]
-        with open(args.markdown, "w") as file:
-            file.write("\n".join(lines))
-        print(f"markdown written to {args.markdown}")
+        write_markdown(args.markdown, lines)
     return ratios
 
 

@@ -6,13 +6,7 @@ import torch
 from bench import ceiling
 from bench.machine import describe_cpu
 
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """bench.ceiling's main sets torch's thread count for the rest of the process, as a command should."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_threads")  # conftest.py
 
 
 def test_ceiling_bench_prints_both_layouts_per_shape_and_writes_markdown(tmp_path, capsys):

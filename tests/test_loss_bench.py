@@ -1,18 +1,11 @@
 """bench/loss.py times ext.cross_entropy against F.cross_entropy and prints (and writes) its tables (no timing
 limits)."""
 import pytest
-import torch
 
 from bench import loss as bench_loss
 from bench.machine import describe_cpu
 
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """bench.loss's main sets torch's thread count for the rest of the process, as a command should."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("restore_threads")  # conftest.py
 
 
 def test_loss_bench_prints_both_passes_per_shape_and_writes_markdown(tmp_path, capsys):
