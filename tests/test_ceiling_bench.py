@@ -9,26 +9,41 @@ from bench.machine import describe_cpu
 pytestmark = pytest.mark.usefixtures("restore_threads")  # conftest.py
 
 
-def test_ceiling_bench_prints_both_layouts_per_shape_and_writes_markdown(tmp_path, capsys):
+def test_ceiling_bench_prints_the_tiles_and_both_layouts_per_shape_and_writes_markdown(tmp_path, capsys):
     markdown = tmp_path / "ceiling.md"
-    ceiling.main(["--threads", "1", "--shapes", "8x3->5,200x40->16", "--min-run-time", "0.001", "--rounds", "2",
-                  "--markdown", str(markdown)])
+    ceiling.main(["--threads", "1", "--shapes", "8x3->5,16x64->32,200x40->16", "--min-run-time", "0.001",
+                  "--rounds", "2", "--markdown", str(markdown)])
     out = capsys.readouterr().out
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| 8x3", "| 200x40"))]
-    assert [row[0].strip() for row in rows] == ["8x3->5", "200x40->16"]
-    for row, flops in zip(rows, (2 * 8 * 3 * 5, 2 * 200 * 40 * 16)):
-        # µs, GFLOP/s and % of peak for each layout, their time ratio and its range over the rounds
-        packed_us, in_place_us, ratio = float(row[1]), float(row[4]), float(row[7])
-        assert float(row[2]) == pytest.approx(flops / packed_us / 1e3, rel=0.05, abs=0.5)
-        assert float(row[5]) == pytest.approx(flops / in_place_us / 1e3, rel=0.05, abs=0.5)
+    sizes = torch.ops.ext.cpu_block_sizes(torch.ops.ext.cpu_path(), "float32")
+
+    # The tile alone: every vector count of the wide and many-rows tiles, at each of the shapes' K blocks.
+    assert "| tile | K block 3: GFLOP/s | % of peak | K block 40: GFLOP/s | % of peak | K block 64: GFLOP/s |" in out
+    tiles = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and " vectors) |" in line]
+    wide, many = sizes["wide_nr"] // sizes["lanes"], sizes["many_rows_nr"] // sizes["lanes"]
+    assert [row[0].strip() for row in tiles] == (
+        [f"{sizes['wide_mr']}x{v * sizes['lanes']} (wide, {v} of {wide} vectors)" for v in range(wide, 0, -1)]
+        + [f"{sizes['many_rows_mr']}x{v * sizes['lanes']} (many rows, {v} of {many} vectors)"
+           for v in range(many, 0, -1)])
+    assert all(len(row) == 7 and float(row[1]) > 0 and row[2].strip().endswith("%") for row in tiles)
+
+    # The forward with W as held and stored transposed.
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| 8x3->", "| 16x64->", "| 200x40->"))]
+    assert [row[0].strip() for row in rows] == ["8x3->5", "16x64->32", "200x40->16"]
+    for row, flops in zip(rows, (2 * 8 * 3 * 5, 2 * 16 * 64 * 32, 2 * 200 * 40 * 16)):
+        # µs, GFLOP/s and % of peak for each layout, the share of B each packs, their time ratio and its range
+        held_us, transposed_us, ratio = float(row[1]), float(row[4]), float(row[8])
+        assert float(row[2]) == pytest.approx(flops / held_us / 1e3, rel=0.05, abs=0.5)
+        assert float(row[5]) == pytest.approx(flops / transposed_us / 1e3, rel=0.05, abs=0.5)
         assert row[3].strip().endswith("%") and row[6].strip().endswith("%")
-        low, high = map(float, row[8].split("-"))
-        assert ratio == pytest.approx(packed_us / in_place_us, rel=0.05)
+        low, high = map(float, row[9].split("-"))
+        assert ratio == pytest.approx(held_us / transposed_us, rel=0.05)
         assert low <= ratio <= high
-    # 200 rows: more than the kernel reads B in place for, so the note says both sides pack
-    assert "200x40->16: more than 128 rows, so B is packed on both sides" in out
+    # W as held always packs all of B. Stored transposed, B is read in place only in whole vectors of columns
+    # (5 is not: its ragged panel is packed) and up to b_in_place_max_rows rows (200 are more).
+    assert [row[7].strip() for row in rows] == ["100% / 100%", "100% / 0%", "100% / 100%"]
     written = markdown.read_text()
-    assert describe_cpu() in written and "#### CPU, 1 thread" in written and "| 200x40->16 |" in written
+    assert describe_cpu() in written and "#### The tile alone, CPU, 1 thread" in written
+    assert "#### The forward, CPU, 1 thread" in written and "| 200x40->16 |" in written
     with pytest.raises(SystemExit):
         ceiling.main(["--shapes", "8x3"])
     assert "bad shape '8x3'" in capsys.readouterr().err

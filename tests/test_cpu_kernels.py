@@ -434,3 +434,59 @@ def test_a_malformed_cache_override_is_one_line():
                             env={**os.environ, "LINEAR_LAB_CPU_CACHES": "l2=lots"})
     assert result.returncode != 0
     assert "LINEAR_LAB_CPU_CACHES='l2=lots' is not l1d=<size>,l2=<size>" in result.stderr
+
+
+# What gemm packs, and the register tile alone: bench.ceiling's two measurements
+
+
+def packed_by(product):
+    """The values of A and of B that one call of product packs, as gemm.cpp counts them."""
+    a_before, b_before = ops.cpu_packed_values()
+    product()
+    a_after, b_after = ops.cpu_packed_values()
+    return a_after - a_before, b_after - b_before
+
+
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("path", PATHS)
+def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
+    torch.set_num_threads(1)  # on more, each column slab of a dW packs its own copy of A
+    b = block_sizes(path, torch.float32)
+    rows, k, n = 4 * b["wide_mr"], 64, 2 * b["wide_nr"]  # whole tiles; B far under half of L2
+    x, w, dy = torch.randn(rows, k), torch.randn(n, k), torch.randn(rows, n)
+    w_stored_transposed = w.t().contiguous().t()
+    tall = (b["b_in_place_max_rows"] // b["wide_mr"] + 1) * b["wide_mr"]  # whole tiles, too many to read B in place
+    with cpu_path(path):
+        # The forward's B is Wᵀ: transposed into panels, every value once; the input is read in place.
+        assert packed_by(lambda: ops.linear(x, w, None)) == (0, k * n)
+        # The same weights stored transposed: B's rows are contiguous and read in place.
+        assert packed_by(lambda: ops.linear(x, w_stored_transposed, None)) == (0, 0)
+        assert packed_by(lambda: ops.linear(torch.randn(tall, k), w_stored_transposed, None)) == (0, k * n)
+        # dX = dY·W reads W in place; dW = dYᵀ·X packs dYᵀ once and reads X in place.
+        assert packed_by(lambda: ops.linear_backward_input(dy, w)) == (0, 0)
+        assert packed_by(lambda: ops.linear_backward_weight(dy, x)) == (n * rows, 0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_tile_alone_runs_every_tile_of_every_path(path):
+    with cpu_path(path):
+        b = block_sizes(path, torch.float32)
+        for tile in ("wide", "narrow", "many_rows"):
+            for vectors in range(1, b[f"{tile}_nr"] // b["lanes"] + 1):
+                gflops = ops.tile_gflops(tile, vectors, 16, 1)
+                assert 0 < gflops < float("inf"), (tile, vectors, gflops)
+        assert ops.tile_gflops("wide", 1, 8, 2) > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (("square", 1, 16, 1), "tile must be 'wide', 'narrow' or 'many_rows'"),
+    (("wide", 0, 16, 1), "vectors must be 1 to"),
+    (("narrow", 2, 16, 1), "vectors must be 1 to 1 for this tile"),
+    (("wide", 1, 0, 1), "kc must be 1 to 4096"),
+    (("wide", 1, 16, 0), "num_threads must be 1 to 256"),
+])
+def test_a_bad_tile_measurement_is_one_line_naming_the_argument(args, message):
+    with pytest.raises(RuntimeError) as error:
+        ops.tile_gflops(*args)
+    first_line = str(error.value).splitlines()[0]
+    assert first_line.startswith("ext.tile_gflops: ") and message in first_line

@@ -10,7 +10,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ext {
 
@@ -125,6 +127,20 @@ c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, co
   return sizes;
 }
 
+double tile_gflops(const std::string& tile, int64_t vectors, int64_t kc, int64_t num_threads) {
+  try {
+    return cpu::measure_tile_gflops(tile, vectors, kc, num_threads);
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK(false, "ext.tile_gflops: ", error.what(), " (got tile '", tile, "', vectors ", vectors, ", kc ", kc,
+                ", num_threads ", num_threads, ")");
+  }
+}
+
+std::vector<int64_t> cpu_packed_values() {
+  const cpu::PackedValues packed = cpu::packed_values();
+  return {packed.a, packed.b};
+}
+
 // Under CPU autocast (bfloat16) the ops run in float32, as autocast runs PyTorch's own fp32-only ops:
 // the CPU kernels implement float32 and float64, and a ResNet's autocast convolutions hand the final
 // Linear a bfloat16 input. Lower-precision inputs are cast up; then the op runs with autocast off.
@@ -201,6 +217,9 @@ TORCH_LIBRARY(ext, m) {
   m.def("set_cpu_path(str name) -> ()", &set_cpu_path);
   m.def("fma_peak_gflops(int num_threads) -> float", &cpu::measure_fma_peak_gflops);
   m.def("cpu_block_sizes(str path, str dtype) -> Dict(str, int)", &cpu_block_sizes);
+  // For bench.ceiling: the register tile alone, and the values gemm has packed (A's, B's).
+  m.def("tile_gflops(str tile, int vectors, int kc, int num_threads) -> float", &tile_gflops);
+  m.def("cpu_packed_values() -> int[]", &cpu_packed_values);
 }
 
 TORCH_LIBRARY_IMPL(ext, CPU, m) {

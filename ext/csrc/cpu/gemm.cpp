@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -250,6 +251,24 @@ const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
 
 thread_local PackBuffer t_packed_a, t_packed_b;  // packing never allocates once warm
 
+// Values packed since load, of A and of B, over all threads (packed_values): bench.ceiling
+// reads them to show which operand a product packs. One relaxed add per packed block or panel.
+std::atomic<int64_t> g_packed_a_values{0}, g_packed_b_values{0};
+
+template <typename T>
+void pack_a(const Microkernel<T>& uk, const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc,
+            T* dst) {
+  uk.pack_a(a, row_stride, k_stride, rows, kc, dst);
+  g_packed_a_values.fetch_add(rows * kc, std::memory_order_relaxed);
+}
+
+template <typename T>
+void pack_b(const Microkernel<T>& uk, const T* b, int64_t k_stride, int64_t col_stride, int64_t kc, int64_t cols,
+            T* dst) {
+  uk.pack_b(b, k_stride, col_stride, kc, cols, dst);
+  g_packed_b_values.fetch_add(kc * cols, std::memory_order_relaxed);
+}
+
 // Buffers for the packed A that all chunks of a ColumnChunks share, kept per constructing
 // thread and reused across calls, like t_packed_a. Allocated afresh for each product (up to
 // 512 KiB) and freed after it, each was one more block that glibc may hand back to the
@@ -366,14 +385,14 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kc = std::min(KC, K - pc);
       const T* b_block = B + pc * b_rs + jc * b_cs;
-      if (!read_b_in_place && !pack_b_per_panel && !b_supplied) uk.pack_b(b_block, b_rs, b_cs, kc, nc, packed_b);
+      if (!read_b_in_place && !pack_b_per_panel && !b_supplied) pack_b(uk, b_block, b_rs, b_cs, kc, nc, packed_b);
       tile.kc = kc;
       tile.accumulate = pc > 0 || accumulate_c;
       tile.relu = relu && pc + kc == K;
       for (int64_t ic = m0; ic < m1; ic += MC) {
         const int64_t mc = std::min(MC, m1 - ic);
         const T* a_block = A + ic * a_rs + pc * a_cs;
-        if (!read_a_in_place && !shared_packed_a) uk.pack_a(a_block, a_rs, a_cs, mc, kc, packed_a);
+        if (!read_a_in_place && !shared_packed_a) pack_a(uk, a_block, a_rs, a_cs, mc, kc, packed_a);
         // B's micro-panel for columns jr: packed, or read in place.
         auto b_panel = [&](int64_t jr, int64_t cols) {
           tile.cols = cols;
@@ -382,14 +401,14 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             tile.b_offsets = indexed_b->offsets + pc;
             for (int64_t v = 0; v * uk.lanes < cols; ++v) tile.b_vectors[v] = indexed_b->vectors[(jc + jr) / uk.lanes + v];
           } else if (!read_b_in_place) {
-            if (pack_b_per_panel) uk.pack_b(b_block + jr * b_cs, b_rs, b_cs, kc, tile.cols, packed_b);
+            if (pack_b_per_panel) pack_b(uk, b_block + jr * b_cs, b_rs, b_cs, kc, tile.cols, packed_b);
             tile.b = pack_b_per_panel ? packed_b : packed_b + jr * kc;
             tile.b_k_stride = NR;
           } else if (tile.cols % uk.lanes == 0) {  // whole vectors: no padding to read
             tile.b = b_block + jr;
             tile.b_k_stride = b_rs;
           } else {
-            uk.pack_b(b_block + jr, b_rs, b_cs, kc, tile.cols, packed_b);
+            pack_b(uk, b_block + jr, b_rs, b_cs, kc, tile.cols, packed_b);
             tile.b = packed_b;
             tile.b_k_stride = NR;
           }
@@ -413,7 +432,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             tile.a_row_stride = a_rs;
             run(false);
           } else {
-            uk.pack_a(a_block + ir * a_rs, a_rs, a_cs, tile.rows, kc, packed_a);
+            pack_a(uk, a_block + ir * a_rs, a_rs, a_cs, tile.rows, kc, packed_a);
             tile.a = packed_a;
             tile.a_k_stride = MR;
             run(true);
@@ -647,7 +666,7 @@ template <typename T>
 const T* ColumnChunks<T>::packed_a() {
   int state = kUnpacked;
   if (pack_state_.compare_exchange_strong(state, kPacking, std::memory_order_acquire)) {
-    microkernel_for<T>(M_, N_).pack_a(A_, a_rs_, a_cs_, M_, K_, packed_a_);
+    pack_a(microkernel_for<T>(M_, N_), A_, a_rs_, a_cs_, M_, K_, packed_a_);
     pack_state_.store(kPacked, std::memory_order_release);
   }
   while (pack_state_.load(std::memory_order_acquire) != kPacked) std::this_thread::yield();
@@ -703,6 +722,69 @@ BlockSizes block_sizes(CpuPath path) {
           caches().l1d_bytes};
 }
 template BlockSizes block_sizes<float>(CpuPath);
+
+PackedValues packed_values() {
+  return {g_packed_a_values.load(std::memory_order_relaxed), g_packed_b_values.load(std::memory_order_relaxed)};
+}
+
+double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t kc, int64_t num_threads) {
+  const Microkernels<float>& kernels = microkernels<float>(g_active_path);
+  const Microkernel<float>* uk = tile_name == "wide"        ? &kernels.wide
+                                 : tile_name == "narrow"    ? &kernels.narrow
+                                 : tile_name == "many_rows" ? &kernels.many_rows
+                                                            : nullptr;
+  if (!uk) throw std::invalid_argument("tile must be 'wide', 'narrow' or 'many_rows'");
+  if (vectors < 1 || vectors * uk->lanes > uk->nr)
+    throw std::invalid_argument("vectors must be 1 to " + std::to_string(uk->nr / uk->lanes) + " for this tile");
+  if (kc < 1 || kc > 4096) throw std::invalid_argument("kc must be 1 to 4096");
+  if (num_threads < 1 || num_threads > 256) throw std::invalid_argument("num_threads must be 1 to 256");
+  constexpr int64_t kRows = 128, kPanels = 6, kTrials = 7;
+  const int64_t row_tiles = kRows / uk->mr, rows = row_tiles * uk->mr, ldc = kPanels * uk->nr;
+  struct Operands {
+    std::vector<float> a, b, c;
+  };
+  std::vector<Operands> operands(num_threads);
+  for (Operands& o : operands) {  // values that neither vanish to denormals nor overflow over kc terms
+    o.a.assign(rows * kc, 1e-3f);
+    o.b.assign(kPanels * kc * uk->nr, 1e-3f);
+    o.c.assign(rows * ldc, 0.0f);
+  }
+  const auto tile = uk->tile_unit_k_stride(uk->mr, vectors * uk->lanes);
+  auto passes = [&](Operands& o, int64_t count) {  // gemm_slab's loop over one K block of a forward
+    TileArgs<float> t{};
+    t.kc = kc;
+    t.a_row_stride = kc;
+    t.a_k_stride = 1;
+    t.b_k_stride = uk->nr;
+    t.ldc = ldc;
+    t.rows = uk->mr;
+    t.cols = vectors * uk->lanes;
+    for (int64_t pass = 0; pass < count; ++pass)
+      for (int64_t panel = 0; panel < kPanels; ++panel) {
+        t.b = o.b.data() + panel * kc * uk->nr;
+        for (int64_t row_tile = 0; row_tile < row_tiles; ++row_tile) {
+          t.a = o.a.data() + row_tile * uk->mr * kc;
+          t.c = o.c.data() + row_tile * uk->mr * ldc + panel * uk->nr;
+          tile(t);
+        }
+      }
+  };
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  passes(operands[0], 1);  // warm-up, and a pass's time: each trial takes about 20 ms
+  const double pass_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const int64_t count = std::max<int64_t>(1, static_cast<int64_t>(0.02 / std::max(pass_seconds, 1e-9)));
+  const double flops = 2.0 * rows * vectors * uk->lanes * kc * kPanels * count * num_threads;
+  double best_gflops = 0.0;
+  for (int64_t trial = 0; trial < kTrials; ++trial) {
+    const auto trial_start = Clock::now();
+    std::vector<std::thread> threads;
+    for (int64_t i = 0; i < num_threads; ++i) threads.emplace_back([&, i] { passes(operands[i], count); });
+    for (std::thread& thread : threads) thread.join();
+    best_gflops = std::max(best_gflops, flops / std::chrono::duration<double>(Clock::now() - trial_start).count() / 1e9);
+  }
+  return best_gflops;
+}
 template BlockSizes block_sizes<double>(CpuPath);
 
 template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t,

@@ -156,4 +156,19 @@ BlockSizes block_sizes(CpuPath path);
 // The benchmark reports each kernel as a % of it.
 double measure_fma_peak_gflops(int64_t num_threads);
 
+// The register tile alone, float32 on the active path: GFLOP/s of `tile` ("wide", "narrow" or
+// "many_rows": BlockSizes' three tiles) computing `vectors` vectors of its columns at depth kc,
+// its operands where gemm puts them for a batch of 128 (A's rows read in place, one packed B
+// micro-panel re-read by all the row tiles, six panels in turn), and nothing else: no packing,
+// no ragged tiles, no call. Each of num_threads threads runs its own copy at once; the best of
+// several trials, as measure_fma_peak_gflops. Throws std::invalid_argument for a bad argument.
+double measure_tile_gflops(std::string_view tile, int64_t vectors, int64_t kc, int64_t num_threads);
+
+// Values gemm has packed since the library loaded, of A and of B, on every thread: read
+// before and after a product, they show which operand it packs (bench.ceiling).
+struct PackedValues {
+  int64_t a, b;
+};
+PackedValues packed_values();
+
 }  // namespace ext::cpu
