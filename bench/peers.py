@@ -252,29 +252,38 @@ HEADER = ["shape (batch x in->out)", "product", "M x N x K", "ext ms", "ext GFLO
           "OpenBLAS GFLOP/s", "oneDNN GFLOP/s", "best peer", "ext/best", "by round", "ext % of FMA peak"]
 
 
+CALL_SHAPE = (1, 1, 1)  # a product of one multiply-add: what remains is the call itself
+
+
+def measure_product(workers, shape, product, threads, min_run_time_s, rounds):
+    """One product of one shape on every library, the workers asked in an order that rotates each round."""
+    per_round = {library: [] for library in LIBRARIES}
+    for index in range(rounds):
+        order = LIBRARIES[index % len(LIBRARIES):] + LIBRARIES[:index % len(LIBRARIES)]
+        for library in order:
+            times = workers[library].ask(threads=threads, shape=shape, product=product,
+                                         min_run_time=min_run_time_s)["seconds"]
+            per_round[library].append(statistics.median(times))
+            time.sleep(PAUSE_S)
+    return PeerRow(shape, product, {lib: statistics.median(t) for lib, t in per_round.items()}, per_round)
+
+
 def measure(workers, shapes, threads, min_run_time_s, rounds, progress=print):
-    """The rows of one thread count: every shape x product, the workers asked in rotating order."""
+    """The rows of one thread count (every shape x product), each side's call alone (the products of
+    CALL_SHAPE, by product), and the FMA peak readings."""
     peaks = [workers["ext"].ask(threads=threads, peak=True)["peak_gflops"]]
     rows = []
     for shape in shapes:
-        for product in PRODUCTS:
-            per_round = {library: [] for library in LIBRARIES}
-            for index in range(rounds):
-                order = LIBRARIES[index % len(LIBRARIES):] + LIBRARIES[:index % len(LIBRARIES)]
-                for library in order:
-                    times = workers[library].ask(threads=threads, shape=shape, product=product,
-                                                 min_run_time=min_run_time_s)["seconds"]
-                    per_round[library].append(statistics.median(times))
-                    time.sleep(PAUSE_S)
-            rows.append(PeerRow(shape, product, {lib: statistics.median(t) for lib, t in per_round.items()},
-                                per_round))
+        rows += [measure_product(workers, shape, product, threads, min_run_time_s, rounds) for product in PRODUCTS]
         peaks.append(workers["ext"].ask(threads=threads, peak=True)["peak_gflops"])
         m, k, n = shape
         progress(f"{m}x{k}->{n}: ext/best peer " + ", ".join(f"{r.product} {r.ratio:.2f} ({LABELS[r.best_peer]})"
                                                              for r in rows[-len(PRODUCTS):]))
+    calls = {product: measure_product(workers, CALL_SHAPE, product, threads, min_run_time_s, rounds)
+             for product in PRODUCTS}
     for row in rows:
         row.peak_gflops = max(peaks)
-    return rows, peaks
+    return rows, calls, peaks
 
 
 def geomean(values):
@@ -282,18 +291,29 @@ def geomean(values):
     return math.exp(sum(map(math.log, values)) / len(values))
 
 
-def summary_lines(rows):
-    """The geomean of ext/best with its range over rounds, the products behind their best peer, and those
-    the 90% of peak goal applies to that miss it."""
+def net_of_calls(row, calls):
+    """The best peer's time over ext's, each less its own call alone (calls: measure's): how the two compute,
+    where a product lasts a few microseconds and the calls differ by one."""
+    call = calls[row.product].seconds
+    return (row.seconds[row.best_peer] - call[row.best_peer]) / (row.seconds["ext"] - call["ext"])
+
+
+def summary_lines(rows, calls):
+    """The geomean of ext/best with its range over rounds, each side's call alone, the products behind their
+    best peer (with the ratio net of the calls), and those the 90% of peak goal applies to that miss it."""
     per_round = [geomean(ratios) for ratios in zip(*(row.round_ratios for row in rows))]
     lowest = min(rows, key=lambda row: row.ratio)
     lines = [f"geomean ext/best peer over {len(rows)} products: {geomean(row.ratio for row in rows):.2f} "
              f"(by round {min(per_round):.2f}-{max(per_round):.2f}); lowest {lowest.ratio:.2f} "
              f"({lowest.cells()[0]} {lowest.product}, best peer {LABELS[lowest.best_peer]})"]
+    lines.append("the call alone (a 1x1->1 product; µs per call, forward / dX / dW): " + "; ".join(
+        f"{LABELS[library]} " + " / ".join(f"{calls[product].seconds[library] * 1e6:.1f}" for product in PRODUCTS)
+        for library in LIBRARIES))
     behind = [row for row in rows if row.ratio < 1.0]
     if behind:
         lines.append("behind the best peer: " + ", ".join(
-            f"{row.cells()[0]} {row.product} {row.ratio:.2f} ({LABELS[row.best_peer]})" for row in behind))
+            f"{row.cells()[0]} {row.product} {row.ratio:.2f} ({LABELS[row.best_peer]}; "
+            f"{net_of_calls(row, calls):.2f} net of each side's call)" for row in behind))
     short = [row for row in rows if row.peak_goal_applies and row.peak_share < PEAK_GOAL]
     applies = sum(row.peak_goal_applies for row in rows)
     lines.append(f"{applies - len(short)} of the {applies} products with M, N >= 128 and K >= 256 reach 90% of peak"
@@ -310,14 +330,14 @@ def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
         print(f"sides, each in its own process: {sides}")
         markdown += [f"Sides, each in its own process: {sides}.", ""]
         for threads in thread_counts:
-            rows, peaks = measure(workers, shapes, threads, min_run_time_s, rounds,
-                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+            rows, calls, peaks = measure(workers, shapes, threads, min_run_time_s, rounds,
+                                         progress=lambda line: print(line, file=sys.stderr, flush=True))
             title = (f"CPU, {threads} thread{'s' if threads != 1 else ''}: ext against the best peer (measured FMA "
                      f"peak {max(peaks):.0f} GFLOP/s: the highest of {len(peaks)} readings, the lowest "
                      f"{min(peaks):.0f})")
             table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
             table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
-            summary = summary_lines(rows)
+            summary = summary_lines(rows, calls)
             print(f"\n== {title} ==")
             print("\n".join(table))
             print("\n".join(summary), flush=True)

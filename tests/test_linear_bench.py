@@ -2,6 +2,7 @@
 import argparse
 import mmap
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,7 +223,26 @@ def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_pa
         assert all(float(cells[index]) > 0 for index in range(4, 8))  # GFLOP/s of ext and the three peers
         assert cells[8] in ("torch", "OpenBLAS", "oneDNN")
     assert "- geomean ext/best peer over 3 products:" in text
+    (calls,) = [line for line in text.splitlines() if line.startswith("- the call alone (a 1x1->1 product")]
+    for label in ("ext", "torch", "OpenBLAS", "oneDNN"):  # each side's forward / dX / dW, in µs
+        assert re.search(rf"\b{label} \d+\.\d / \d+\.\d / \d+\.\d\b", calls), (label, calls)
     assert "0 of the 0 products with M, N >= 128 and K >= 256 reach 90% of peak" in text
+
+
+def test_a_product_behind_its_peer_is_also_compared_net_of_each_sides_call():
+    """A 4.7 µs product of ours against OpenBLAS's 3.8, whose calls alone take 1.6 and 0.7 µs: 0.81x, but the
+    same 3.1 µs of work each (1.00x net of the calls)."""
+    def row(shape, ext, openblas, others=9.0):
+        seconds = {"ext": ext * 1e-6, "torch": others * 1e-6, "openblas": openblas * 1e-6, "onednn": others * 1e-6}
+        return peers.PeerRow(shape, "dX", seconds, {side: [t] for side, t in seconds.items()}, peak_gflops=100.0)
+
+    head = row((128, 256, 10), 4.7, 3.8)
+    calls = {product: row(peers.CALL_SHAPE, 1.6, 0.7) for product in peers.PRODUCTS}
+    assert head.ratio == pytest.approx(3.8 / 4.7) and peers.net_of_calls(head, calls) == pytest.approx(1.0)
+    lines = peers.summary_lines([head, row((128, 512, 256), 100.0, 110.0, others=200.0)], calls)
+    assert ("the call alone (a 1x1->1 product; µs per call, forward / dX / dW): ext 1.6 / 1.6 / 1.6; "
+            "torch 9.0 / 9.0 / 9.0; OpenBLAS 0.7 / 0.7 / 0.7; oneDNN 9.0 / 9.0 / 9.0") in lines
+    assert "behind the best peer: 128x256->10 dX 0.81 (OpenBLAS; 1.00 net of each side's call)" in lines
 
 
 def test_peers_mode_refuses_the_options_it_does_not_take(capsys):
