@@ -11,10 +11,11 @@ is the best of its rounds.
 
 The forward's B is Wᵀ. With W as nn.Linear holds it (out x in, rows contiguous) every column panel of B is
 packed (transposed) before the tiles read it; with the same weights stored transposed (a column-major W), B's
-rows are contiguous and gemm.cpp reads them in place when a thread's block of B fits in half of L2 and the
-batch is at most `b_in_place_max_rows` rows (python -m ext), else copies them into panels. Each side's
-"B packed" is what the library counted (`torch.ops.ext.cpu_packed_values`) over one call: the share of B's
-values it packed. So the gap between the tile alone and a side with nothing packed is the product's own (its
+rows are contiguous and gemm.cpp reads them in place when the batch is at most `b_in_place_max_rows` rows
+(python -m ext), a thread's block of B fits in half of L2 and its rows are not a multiple of 4 KiB apart,
+else copies them into panels (a ragged last panel, part of a vector wide, is always packed). Each side's
+"values packed" is what the library counted (`torch.ops.ext.cpu_packed_values`) over one call, as a share of
+B's values: 100% when each is packed once, more where a panel is packed again for each row tile. So the gap between the tile alone and a side with nothing packed is the product's own (its
 ragged last panel, its call), the gap between the two sides the transposition's, and the gap between 1 and 2
 threads the split's. bench.linear's method: both sides in alternating torch.utils.benchmark rounds in one
 process, each side's time the median of its round medians; held/transposed above 1 when transposing costs time,
@@ -38,7 +39,8 @@ DEFAULT_SHAPES = "128x256->256,128x784->256,128x1024->1024,128x2048->1000"
 
 
 def b_packed_share(forward, k, n) -> float:
-    """The share of B's k x n values that one call of forward packs, as the library counts them."""
+    """The values of B that one call of forward packs, as the library counts them, over B's k x n: 1 when every
+    value is packed once, more where a panel is packed again (once per row tile, or per block of rows)."""
     before = torch.ops.ext.cpu_packed_values()[1]
     forward()
     return (torch.ops.ext.cpu_packed_values()[1] - before) / (k * n)
@@ -64,7 +66,8 @@ def bench_shape(shape, threads, min_run_time_s, rounds):
 
 def table(rows, packed, peak_gflops) -> list[str]:
     lines = ["| shape (batch x in->out) | W as held: µs | GFLOP/s | % of peak | W stored transposed: µs | GFLOP/s "
-             "| % of peak | B packed per call (held / transposed) | held / transposed | by round |", "|---" * 10 + "|"]
+             "| % of peak | values packed per call, % of B (held / transposed) | held / transposed | by round |",
+             "|---" * 10 + "|"]
     for r, shares in zip(rows, packed):
         batch, in_features, out_features = r.shape
         cells = [f"{batch}x{in_features}->{out_features}"]
@@ -125,7 +128,8 @@ def main(argv=None) -> None:
     sizes = torch.ops.ext.cpu_block_sizes(torch.ops.ext.cpu_path(), "float32")
     header = (f"{describe_cpu()}; CPU path {torch.ops.ext.cpu_path()}, B read in place up to "
               f"{sizes['b_in_place_max_rows']} rows when a thread's block of it fits in "
-              f"{sizes['l2_bytes'] // 2 // 1024} KiB (half of L2); malloc: {memory.set_up()}")
+              f"{sizes['l2_bytes'] // 2 // 1024} KiB (half of L2) and its rows are not a multiple of 4 KiB apart; "
+              f"malloc: {memory.set_up()}")
     markdown = [command_line("python -m bench.ceiling", argv), "", header, ""]
     print(header)
     for threads in args.threads:

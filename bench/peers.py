@@ -293,9 +293,16 @@ def geomean(values):
 
 def net_of_calls(row, calls):
     """The best peer's time over ext's, each less its own call alone (calls: measure's): how the two compute,
-    where a product lasts a few microseconds and the calls differ by one."""
+    where a product lasts a few microseconds and the calls differ by one. None where a side's product takes
+    no longer than its call alone: then there is no computing time left to compare."""
     call = calls[row.product].seconds
-    return (row.seconds[row.best_peer] - call[row.best_peer]) / (row.seconds["ext"] - call["ext"])
+    peer, ours = (row.seconds[side] - call[side] for side in (row.best_peer, "ext"))
+    return peer / ours if peer > 0 and ours > 0 else None
+
+
+def net_of_calls_words(row, calls):
+    net = net_of_calls(row, calls)
+    return "no time left net of the calls" if net is None else f"{net:.2f} net of each side's call"
 
 
 def summary_lines(rows, calls):
@@ -312,8 +319,8 @@ def summary_lines(rows, calls):
     behind = [row for row in rows if row.ratio < 1.0]
     if behind:
         lines.append("behind the best peer: " + ", ".join(
-            f"{row.cells()[0]} {row.product} {row.ratio:.2f} ({LABELS[row.best_peer]}; "
-            f"{net_of_calls(row, calls):.2f} net of each side's call)" for row in behind))
+            f"{row.cells()[0]} {row.product} {row.ratio:.2f} ({LABELS[row.best_peer]}; {net_of_calls_words(row, calls)})"
+            for row in behind))
     short = [row for row in rows if row.peak_goal_applies and row.peak_share < PEAK_GOAL]
     applies = sum(row.peak_goal_applies for row in rows)
     lines.append(f"{applies - len(short)} of the {applies} products with M, N >= 128 and K >= 256 reach 90% of peak"

@@ -243,6 +243,10 @@ def test_a_product_behind_its_peer_is_also_compared_net_of_each_sides_call():
     assert ("the call alone (a 1x1->1 product; µs per call, forward / dX / dW): ext 1.6 / 1.6 / 1.6; "
             "torch 9.0 / 9.0 / 9.0; OpenBLAS 0.7 / 0.7 / 0.7; oneDNN 9.0 / 9.0 / 9.0") in lines
     assert "behind the best peer: 128x256->10 dX 0.81 (OpenBLAS; 1.00 net of each side's call)" in lines
+    # a product no longer than a side's call alone leaves nothing to compare
+    tiny = row((16, 40, 24), 1.5, 1.0)
+    assert peers.net_of_calls(tiny, calls) is None
+    assert "16x40->24 dX 0.67 (OpenBLAS; no time left net of the calls)" in peers.summary_lines([tiny], calls)[-2]
 
 
 def test_peers_mode_refuses_the_options_it_does_not_take(capsys):

@@ -252,8 +252,10 @@ const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
 thread_local PackBuffer t_packed_a, t_packed_b;  // packing never allocates once warm
 
 // Values packed since load, of A and of B, over all threads (packed_values): bench.ceiling
-// reads them to show which operand a product packs. One relaxed add per packed block or panel.
-std::atomic<int64_t> g_packed_a_values{0}, g_packed_b_values{0};
+// reads them to show which operand a product packs. One relaxed add per packed block or panel,
+// each counter on a cache line of its own, so that no add evicts a global every product reads.
+alignas(64) std::atomic<int64_t> g_packed_a_values{0};
+alignas(64) std::atomic<int64_t> g_packed_b_values{0};
 
 template <typename T>
 void pack_a(const Microkernel<T>& uk, const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc,
