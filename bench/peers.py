@@ -19,6 +19,8 @@ in an order that rotates each round, and pauses between them (PAUSE_S) so that t
 threads have gone to sleep. A side's time is the median of its rounds' medians; ext/best is the best peer's
 time over ext's (above 1: ext is faster), with its range over the rounds; % of peak is ext's share of the
 FMA peak ext measures on this machine (the highest reading, taken before the first shape and after each).
+Each side's call alone is timed too, as the products of a 1x1->1 layer, and a product behind its best peer is
+compared again net of each side's call: for a product of a few microseconds, how fast each side computes.
 """
 from __future__ import annotations
 
