@@ -321,7 +321,8 @@ def summary_lines(rows, calls):
     behind = [row for row in rows if row.ratio < 1.0]
     if behind:
         lines.append("behind the best peer: " + ", ".join(
-            f"{row.cells()[0]} {row.product} {row.ratio:.2f} ({LABELS[row.best_peer]}; {net_of_calls_words(row, calls)})"
+            f"{row.cells()[0]} {row.product} {row.ratio:.2f} "
+            f"({LABELS[row.best_peer]}; {net_of_calls_words(row, calls)})"
             for row in behind))
     short = [row for row in rows if row.peak_goal_applies and row.peak_share < PEAK_GOAL]
     applies = sum(row.peak_goal_applies for row in rows)

@@ -27,7 +27,8 @@ def test_ceiling_bench_prints_the_tiles_and_both_layouts_per_shape_and_writes_ma
     assert all(len(row) == 7 and float(row[1]) > 0 and row[2].strip().endswith("%") for row in tiles)
 
     # The forward with W as held and stored transposed.
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| 4x3->", "| 16x64->", "| 200x40->"))]
+    shapes = ("| 4x3->", "| 16x64->", "| 200x40->")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(shapes)]
     assert [row[0].strip() for row in rows] == ["4x3->5", "16x64->32", "200x40->16"]
     for row, flops in zip(rows, (2 * 4 * 3 * 5, 2 * 16 * 64 * 32, 2 * 200 * 40 * 16)):
         # µs, GFLOP/s and % of peak for each layout, the share of B each packs, their time ratio and its range

@@ -783,7 +783,8 @@ double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t 
     std::vector<std::thread> threads;
     for (int64_t i = 0; i < num_threads; ++i) threads.emplace_back([&, i] { passes(operands[i], count); });
     for (std::thread& thread : threads) thread.join();
-    best_gflops = std::max(best_gflops, flops / std::chrono::duration<double>(Clock::now() - trial_start).count() / 1e9);
+    const double seconds = std::chrono::duration<double>(Clock::now() - trial_start).count();
+    best_gflops = std::max(best_gflops, flops / seconds / 1e9);
   }
   return best_gflops;
 }
