@@ -490,3 +490,29 @@ def test_a_bad_tile_measurement_is_one_line_naming_the_argument(args, message):
         ops.tile_gflops(*args)
     first_line = str(error.value).splitlines()[0]
     assert first_line.startswith("ext.tile_gflops: ") and message in first_line
+
+
+THREADS_THAT_CANNOT_START = """
+import resource, torch, ext
+with open("/proc/self/status") as status:
+    in_use = [int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize")][0]
+# Room for a few threads' 8 MiB stacks, not for 128: starting them fails part way.
+resource.setrlimit(resource.RLIMIT_AS, (in_use + 64 * 2**20, resource.getrlimit(resource.RLIMIT_AS)[1]))
+for measure in (lambda: torch.ops.ext.tile_gflops("wide", 1, 1, 128), lambda: torch.ops.ext.fma_peak_gflops(128)):
+    try:
+        measure()
+        print("measured")
+    except (RuntimeError, MemoryError) as error:
+        print(type(error).__name__)
+"""
+
+
+def test_a_measurement_whose_threads_cannot_start_is_an_error_not_an_abort():
+    """The tile and peak measurements start threads of their own; one that fails to start used to leave the
+    others joinable, and the process ended in std::terminate."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", THREADS_THAT_CANNOT_START], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["RuntimeError", "RuntimeError"], result.stdout

@@ -780,9 +780,7 @@ double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t 
   double best_gflops = 0.0;
   for (int64_t trial = 0; trial < kTrials; ++trial) {
     const auto trial_start = Clock::now();
-    std::vector<std::thread> threads;
-    for (int64_t i = 0; i < num_threads; ++i) threads.emplace_back([&, i] { passes(operands[i], count); });
-    for (std::thread& thread : threads) thread.join();
+    run_on_threads(num_threads, [&](int64_t i) { passes(operands[i], count); });
     const double seconds = std::chrono::duration<double>(Clock::now() - trial_start).count();
     best_gflops = std::max(best_gflops, flops / seconds / 1e9);
   }

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -155,6 +156,11 @@ BlockSizes block_sizes(CpuPath path);
 // has (AVX-512 if present, else AVX2) on num_threads threads.
 // The benchmark reports each kernel as a % of it.
 double measure_fma_peak_gflops(int64_t num_threads);
+
+// Runs work(i) for i in [0, count) on `count` threads at once, for the measurements here, which time
+// every core working together. All threads started are joined before it returns, also when starting
+// one fails (the error is then rethrown), so no failure ends the process.
+void run_on_threads(int64_t count, const std::function<void(int64_t)>& work);
 
 // The register tile alone, float32 on the active path: GFLOP/s of `tile` ("wide", "narrow" or
 // "many_rows": BlockSizes' three tiles) computing `vectors` vectors of its columns at depth kc,

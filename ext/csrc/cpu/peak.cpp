@@ -45,6 +45,17 @@ __attribute__((target("avx512f"))) float fma_loop_avx512(int64_t iterations) {
 
 }  // namespace
 
+void run_on_threads(int64_t count, const std::function<void(int64_t)>& work) {
+  std::vector<std::thread> threads;
+  try {
+    for (int64_t i = 0; i < count; ++i) threads.emplace_back(work, i);
+  } catch (...) {
+    for (std::thread& thread : threads) thread.join();
+    throw;
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
 double measure_fma_peak_gflops(int64_t num_threads) {
   const bool avx512 = cpu_supports(CpuPath::Avx512);
   if (!avx512 && !cpu_supports(CpuPath::Avx2Fma)) return 0.0;
@@ -55,13 +66,10 @@ double measure_fma_peak_gflops(int64_t num_threads) {
   double best_gflops = 0.0;
   for (int trial = 0; trial < kTrials; ++trial) {
     const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> threads;
-    for (int64_t t = 0; t < num_threads; ++t)
-      threads.emplace_back([&] {
-        const float result = avx512 ? fma_loop_avx512(kIterations) : fma_loop_avx2(kIterations);
-        sink = sink + result;
-      });
-    for (auto& thread : threads) thread.join();
+    run_on_threads(num_threads, [&](int64_t) {
+      const float result = avx512 ? fma_loop_avx512(kIterations) : fma_loop_avx2(kIterations);
+      sink = sink + result;
+    });
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best_gflops = std::max(best_gflops, flops / seconds / 1e9);
