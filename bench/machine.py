@@ -51,11 +51,11 @@ def command_line(prog: str, argv=None) -> str:
     return f"`{' '.join([prog, *arguments])}`"
 
 
-
 def write_markdown(path, lines) -> None:
     """Writes a benchmark's tables (markdown lines) to `path` and says so."""
     Path(path).write_text("\n".join(lines))
     print(f"markdown written to {path}")
+
 
 def describe_cpu() -> str:
     """'AMD EPYC (family 25, model 1: Zen 3; avx2, fma), 2 CPUs, L1d 32K, L2 512K, L3 32768K'."""

@@ -52,13 +52,13 @@ def num_threads(count):
         torch.set_num_threads(previous)
 
 
-
 @pytest.fixture
 def restore_threads():
     """A benchmark's main sets torch's thread count for the rest of the process, as a command should; the tests
     after it must not inherit it."""
     with num_threads(torch.get_num_threads()):
         yield
+
 
 @pytest.fixture
 def allow_tf32():
