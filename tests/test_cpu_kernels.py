@@ -196,7 +196,11 @@ def test_simd_paths_agree_with_portable(dtype):
 # Shapes above the parallel threshold, split by columns (wide N, or more rows than columns
 # with A read in place: the forward and dX of (512, 256, 300)) and by rows (N = 10; dW of
 # (64, 600, 40), whose A, dYᵀ, is packed, and whose 600 rows outnumber its 40 columns).
-DETERMINISM_SHAPES = [(128, 256, 784), (1000, 10, 600), (512, 256, 300), (64, 600, 40)]
+# Under 4 Mflop a product is cut into whole slabs (gemm.cpp, kWholeSlabsMaxFlops): (131, 10, 200)
+# and (64, 64, 64) split their dX by rows, with both operands read in place, and the first its dW
+# (10 rows of 200 columns) by columns, with no panels taken between threads.
+DETERMINISM_SHAPES = [(128, 256, 784), (1000, 10, 600), (512, 256, 300), (64, 600, 40), (131, 10, 200),
+                      (64, 64, 64)]
 
 
 # "Any thread count": more threads than this machine's cores too, so that every way of
