@@ -103,7 +103,8 @@ void set_cpu_path(const std::string& name) {
 }
 
 // A path's block sizes and thresholds by name (cpu::BlockSizes), with the work sizes below which
-// a product stays on one thread and the backward's dX and dW stop sharing column chunks.
+// a product stays on one thread, is split in whole slabs, and the backward's dX and dW stop
+// sharing column chunks.
 c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, const std::string& dtype) {
   const auto path = cpu::cpu_path_from_name(path_name);
   TORCH_CHECK(path.has_value(), "ext.cpu_block_sizes: unknown path '", path_name,
@@ -121,6 +122,7 @@ c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, co
                                     {"rows_outer_max_b_bytes", b.rows_outer_max_b_bytes}, {"l2_bytes", b.l2_bytes},
                                     {"l1d_bytes", b.l1d_bytes},
                                     {"parallel_min_flops", static_cast<int64_t>(cpu::kParallelMinFlops)},
+                                    {"whole_slabs_max_flops", static_cast<int64_t>(cpu::kWholeSlabsMaxFlops)},
                                     {"shared_min_flops", static_cast<int64_t>(shared_min_flops())}}) {
     sizes.insert(name, value);
   }

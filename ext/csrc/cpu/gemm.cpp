@@ -518,19 +518,6 @@ std::optional<CpuPath> cpu_path_from_name(std::string_view name) {
   return std::nullopt;
 }
 
-// Under this many flops a product split over threads is cut once into whole slabs, one per
-// thread, which take no panels from each other (the panels a thread takes cost a shared counter
-// each, whose cache line then moves between the cores, and for these products there is little
-// to balance); and one whose operands are both read in place is split by rows (gemm). Measured
-// on Zen 4 (2 threads, 14 process pairs alternating, medians, µs, old -> new): dX 128x256->10
-// 8.27 -> 7.66, dW 7.37 -> 7.13, dW 128x512->10 11.16 -> 10.58, 64x64->64 dX 6.02 -> 5.93 and
-// dW 6.56 -> 6.35, the other products of 64x64->64, 128x256->32 and 64x256->64 within 1.3%.
-// At moments this machine's fork and join takes 1.4 µs instead of 0.65 (the other vCPU slower
-// to answer); then: dX 128x256->10 13.6 -> 10.2, its dW 12.7 -> 8.9, dW 128x512->10 17.1 ->
-// 13.2, dW 128x256->32 20.0 -> 17.3 and 64x256->64 21.0 -> 17.9. Cut into whole column slabs
-// instead of rows, dX of 128x256->10 and 128x512->10 were 13% and 44% slower.
-constexpr double kWholeSlabsMaxFlops = 4e6;
-
 template <typename T>
 void gemm(int64_t M, int64_t N, int64_t K,
           const T* A, int64_t a_rs, int64_t a_cs,
