@@ -575,10 +575,11 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // 0.964, 128x784->256 0.995, 512x256->256 1.004; with the machine quiet,
   // 128x256->256 1.003, 512x256->256 1.001.
   const int64_t vectors = (N + uk.lanes - 1) / uk.lanes;
+  auto slab_first_column = [&](int64_t slab) { return std::min(N, vectors * slab / slabs * uk.lanes); };
   if (whole_slabs && !read_a_in_place) {  // whole slabs, no panels to take (kWholeSlabsMaxFlops): dW of a head
     at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
       for (int64_t slab = first; slab < last; ++slab) {
-        const int64_t n0 = vectors * slab / slabs * uk.lanes, n1 = std::min(N, vectors * (slab + 1) / slabs * uk.lanes);
+        const int64_t n0 = slab_first_column(slab), n1 = slab_first_column(slab + 1);
         gemm<T>(M, n1 - n0, K, A, a_rs, a_cs, B + n0 * b_cs, b_rs, b_cs, bias ? bias + n0 : nullptr, relu, C + n0, ldc,
                 accumulate);
       }
@@ -587,7 +588,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   }
   std::deque<ColumnChunks<T>> slab_panels;  // a deque: ColumnChunks cannot move
   for (int64_t slab = 0; slab < slabs; ++slab) {
-    const int64_t n0 = vectors * slab / slabs * uk.lanes, n1 = std::min(N, vectors * (slab + 1) / slabs * uk.lanes);
+    const int64_t n0 = slab_first_column(slab), n1 = slab_first_column(slab + 1);
     slab_panels.emplace_back(M, n1 - n0, K, A, a_rs, a_cs, B + n0 * b_cs, b_rs, b_cs, bias ? bias + n0 : nullptr, relu,
                              C + n0, ldc, 1, accumulate);
   }
