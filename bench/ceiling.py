@@ -30,7 +30,7 @@ import sys
 
 import torch
 
-import ext  # noqa: F401  (loads the ops)
+import ext
 from bench.linear import compare, fma_peak_gflops, parse_shapes, parse_threads, ratio_range, time_interleaved
 from bench.machine import command_line, describe_cpu, write_markdown
 from trainer import memory
@@ -55,8 +55,7 @@ def bench_shape(shape, threads, min_run_time_s, rounds):
     w = torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)
     w_stored_transposed = w.t().contiguous().t()  # the same values, column-major
     b = torch.randn(out_features, generator=generator)
-    linear = torch.ops.ext.linear
-    sides = {"held": lambda: linear(x, w, b), "transposed": lambda: linear(x, w_stored_transposed, b)}
+    sides = {"held": lambda: ext.linear(x, w, b), "transposed": lambda: ext.linear(x, w_stored_transposed, b)}
     packed = tuple(b_packed_share(forward, in_features, out_features) for forward in sides.values())
     times, faults = time_interleaved(sides, min_run_time_s, rounds)
     row = compare("forward", shape, "cpu", str(threads), None, times["held"], times["transposed"],

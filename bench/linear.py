@@ -11,9 +11,10 @@ readings taken before the first shape and after each); then geometric means of
 the ratios, again with their range over the rounds. Each shape's ratios print
 to stderr as it finishes; each thread count's tables print once all shapes are done.
 
-With --products it times instead each product of a training step alone, through
-the raw ops (no autograd): the forward Y = X·Wᵀ + b, dX = dY·W, dW = dYᵀ·X and
-db = the sum of dY's rows, against the torch calls that compute the same.
+With --products it times instead each product of a training step alone, without
+autograd: the forward Y = X·Wᵀ + b (ext.linear), dX = dY·W, dW = dYᵀ·X and db = the
+sum of dY's rows (the backward ops through ext._calls, the direct calls ext.linear
+makes), against the torch calls that compute the same.
 
 Example:
     python -m bench.linear --threads all,1 --markdown bench_linear.md
@@ -132,12 +133,12 @@ def make_statements(linear, x, w, b, dy):
 def make_product_statements(x, w, b, dy):
     """The four products of a training step alone, {name: (torch's call, ext's call)}."""
     x, w, b = x.detach(), w.detach(), b.detach()
-    ops = torch.ops.ext
+    calls = ext._calls  # the backward ops as ext.linear's direct calls reach them (ext/csrc/python_calls.cpp)
     return {
-        "forward": (lambda: F.linear(x, w, b), lambda: ops.linear(x, w, b)),
-        "dX": (lambda: torch.mm(dy, w), lambda: ops.linear_backward_input(dy, w)),
-        "dW": (lambda: torch.mm(dy.t(), x), lambda: ops.linear_backward_weight(dy, x)),
-        "db": (lambda: dy.sum(0), lambda: ops.linear_backward_bias(dy)),
+        "forward": (lambda: F.linear(x, w, b), lambda: ext.linear(x, w, b)),
+        "dX": (lambda: torch.mm(dy, w), lambda: calls.linear_backward_input(dy, w)),
+        "dW": (lambda: torch.mm(dy.t(), x), lambda: calls.linear_backward_weight(dy, x)),
+        "db": (lambda: dy.sum(0), lambda: calls.linear_backward_bias(dy)),
     }
 
 
@@ -302,7 +303,7 @@ def main(argv=None) -> None:
                         help="comma-separated thread counts; 'all' = every core")
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
     parser.add_argument("--products", action="store_true",
-                        help="time the forward, dX, dW and db products alone (raw ops, no autograd)")
+                        help="time the forward, dX, dW and db products alone (no autograd)")
     parser.add_argument("--peers", action="store_true",
                         help="each product against torch, OpenBLAS and oneDNN, every library in its own process "
                              "(bench/peers.py)")

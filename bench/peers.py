@@ -4,7 +4,9 @@
 
 For each shape (batch x in -> out) and each product of a training step, the forward Y = X·Wᵀ (+ b for ext
 and oneDNN), dX = dY·W and dW = dYᵀ·X, it times:
-- ext: torch.ops.ext's raw ops (linear, linear_backward_input, linear_backward_weight);
+- ext: ext.linear, as a layer calls it, and the backward ops (linear_backward_input, linear_backward_weight)
+  through ext._calls, the direct calls ext.linear makes (ext/csrc/python_calls.cpp). In training, autograd
+  calls them from C++ and pays neither;
 - torch: F.linear and torch.mm, torch's default (the BLAS torch was built with; MKL in the pip wheels);
 - OpenBLAS: numpy's matmul (the OpenBLAS numpy bundles, its own CPU detection; OPENBLAS_CORETYPE and
   OPENBLAS_L2_SIZE are unset in its process only, as some machines here set them and they slow a current
@@ -109,10 +111,10 @@ def calls(library, shape):
 
     x, w, b, dy = (torch.from_numpy(arrays[name]) for name in ("x", "w", "b", "dy"))
     if library == "ext":
-        importlib.import_module("ext")  # registers torch.ops.ext
-        ops = torch.ops.ext
-        return {"forward": lambda: ops.linear(x, w, b), "dX": lambda: ops.linear_backward_input(dy, w),
-                "dW": lambda: ops.linear_backward_weight(dy, x)}
+        ext = importlib.import_module("ext")
+        calls = ext._calls
+        return {"forward": lambda: ext.linear(x, w, b), "dX": lambda: calls.linear_backward_input(dy, w),
+                "dW": lambda: calls.linear_backward_weight(dy, x)}
     if library == "torch":
         return {"forward": lambda: F.linear(x, w, b), "dX": lambda: torch.mm(dy, w),
                 "dW": lambda: torch.mm(dy.t(), x)}

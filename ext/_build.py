@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 LIBRARY_NAME = "linear_lab_ext"
+PYTHON_MODULE = "ext._calls"  # the library's pybind11 module (csrc/python_calls.cpp): ext.linear's direct calls
 MANIFEST_NAME = "manifest.json"
 TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's own lock file inside the build dir
 CXX_FLAGS = ("-O3", "-std=c++20", "-fopenmp")  # OpenMP: at::parallel_for runs serially without it
@@ -89,7 +91,7 @@ def build_config(env=os.environ, cuda_available: bool | None = None,
     if forced not in ("", "0", "1"):
         raise ValueError(f"LINEAR_LAB_CUDA must be 0 or 1, got {forced!r}")
     with_cuda = cuda_available if forced == "" else forced == "1"
-    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]  # ops, autograd, conv_ops, loss; kernels
+    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]  # ops, autograd, conv_ops, loss, python_calls; kernels
     if not with_cuda:
         return BuildConfig(False, "", tuple(map(str, sources)), CXX_FLAGS)
     sources += sorted((CSRC / "cuda").glob("*.cu"))
@@ -155,8 +157,22 @@ def load_library(env=os.environ) -> dict:
             if manifest is None:
                 manifest = _build(config, directory)
         _prune_old_builds(directory.parent, keep=directory)
-    torch.ops.load_library(str(directory / manifest["library"]))
+    library = directory / manifest["library"]
+    torch.ops.load_library(str(library))  # the ops, into torch.ops.ext
+    _import_python_module(library)
     return manifest
+
+
+def _import_python_module(library: Path) -> None:
+    """Imports the loaded library's pybind11 module as PYTHON_MODULE (the same file: no second copy loads)."""
+    if PYTHON_MODULE in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(PYTHON_MODULE, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[PYTHON_MODULE] = module
+    package, _, name = PYTHON_MODULE.rpartition(".")
+    setattr(sys.modules[package], name, module)  # as an import of a submodule does
 
 
 def _prune_old_builds(root: Path, keep: Path) -> None:

@@ -36,11 +36,13 @@ def run_python(code, env, timeout_s=600):
 
 # ---- what gets compiled (no compiler needed) ----
 
+OPS_SOURCES = [CSRC / name for name in ("autograd.cpp", "conv_ops.cpp", "loss.cpp", "ops.cpp", "python_calls.cpp")]
+
+
 def test_cpu_only_when_torch_sees_no_gpu():
     config = _build.build_config({}, cuda_available=False)
     assert not config.with_cuda and config.cuda_archs == "" and config.describe() == "CPU-only"
-    assert [Path(s) for s in config.sources] == [CSRC / "autograd.cpp", CSRC / "conv_ops.cpp", CSRC / "loss.cpp",
-                                                 CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
+    assert [Path(s) for s in config.sources] == [*OPS_SOURCES, *sorted((CSRC / "cpu").glob("*.cpp"))]
     assert CSRC / "cpu" / "conv.cpp" in map(Path, config.sources)
     assert _build.CUDA_DEFINE not in config.cxx_flags
     assert _build._build_env(config) == {}
@@ -51,8 +53,7 @@ def test_forcing_cuda_without_gpu_targets_default_archs():
     assert config.with_cuda and config.cuda_archs == "8.0;9.0"
     assert config.describe() == "with CUDA for sm_80, sm_90"
     cuda_sources = sorted((CSRC / "cuda").glob("*.cu"))
-    assert [Path(s) for s in config.sources] == [CSRC / "autograd.cpp", CSRC / "conv_ops.cpp", CSRC / "loss.cpp",
-                                                 CSRC / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp")), *cuda_sources]
+    assert [Path(s) for s in config.sources] == [*OPS_SOURCES, *sorted((CSRC / "cpu").glob("*.cpp")), *cuda_sources]
     assert _build.CUDA_DEFINE in config.cxx_flags and config.cuda_flags
     build_env = _build._build_env(config)
     assert build_env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"

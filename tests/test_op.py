@@ -400,6 +400,77 @@ def test_backward_ops_match_their_definitions():
     torch.testing.assert_close(torch.ops.ext.linear_backward_bias(grad_output), grad_output.sum(0))
 
 
+# ---- the direct calls: ext._calls, which ext.linear makes in eager mode ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (5, 7, 3), (17, 16, 33), (129, 65, 385)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_direct_calls_give_the_ops_results_bit_for_bit(dtype, M, N, K, layout):
+    transposed = layout == "transposed"
+    input, weight, bias = make_operands(M, N, K, dtype, True, transposed, transposed)
+    grad_output = torch.randn(N, M, dtype=dtype).t() if transposed else torch.randn(M, N, dtype=dtype)
+    ops, calls = torch.ops.ext, ext._calls
+    pairs = [(calls.linear(input, weight, bias), ops.linear(input, weight, bias)),
+             (calls.linear(input, weight, None), ops.linear(input, weight, None)),
+             (calls.linear_relu(input, weight, bias), ops.linear_relu(input, weight, bias)),
+             (calls.linear_backward_input(grad_output, weight), ops.linear_backward_input(grad_output, weight)),
+             (calls.linear_backward_weight(grad_output, input), ops.linear_backward_weight(grad_output, input)),
+             (calls.linear_backward_bias(grad_output), ops.linear_backward_bias(grad_output))]
+    for direct, through_torch_ops in pairs:
+        assert direct.dtype == dtype and torch.equal(direct, through_torch_ops)
+
+
+@pytest.mark.parametrize("call", [ext._calls.linear, ext._calls.linear_relu], ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("args", [
+    (torch.randn(2, 3, 4), torch.randn(5, 4), torch.randn(5)),  # leading dimensions
+    (torch.randn(4), torch.randn(5, 4), None),  # 1-D input
+    (torch.randn(3, 4), torch.randn(4), None),  # 1-D weight
+    (torch.randn(3, 4), torch.randn(5, 4), torch.randn(1, 5)),  # a bias to broadcast
+    (torch.randn(3, 4), torch.randn(5, 4), torch.randn(1)),  # a one-element bias
+    (torch.randn(3, 4), torch.randn(5, 4), torch.randn(6)),  # a bias of the wrong length: ext.linear says so
+    (torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)]), torch.randn(5, 4), None),
+    ([[1.0] * 4], torch.randn(5, 4), None),  # not tensors: ext.linear says so
+    (torch.randn(3, 4), torch.randn(5, 4), 1.0),
+], ids=["3-D input", "1-D input", "1-D weight", "bias 1xN", "one-element bias", "bias of 6", "nested", "list",
+        "float bias"])
+def test_direct_linear_declines_all_but_2d_tensors(call, args):
+    # None sends ext.linear to its general path, which gives the call F.linear's meaning or a clear error
+    assert call(*args) is None
+
+
+@pytest.mark.parametrize("fn, call", [(ext.linear, "linear"), (ext.linear_relu, "linear_relu")],
+                         ids=["linear", "linear_relu"])
+def test_eager_calls_go_through_the_direct_call(fn, call, monkeypatch):
+    made = []
+
+    def spy(*args):
+        made.append(args)
+        return getattr(ext._calls, call)(*args)
+
+    monkeypatch.setattr(ext.ops, "_calls", type("Spy", (), {call: staticmethod(spy)}))
+    input, weight, bias = make_operands(6, 5, 4, torch.float32)
+    assert torch.equal(fn(input, weight, bias), getattr(torch.ops.ext, call)(input, weight, bias))
+    assert len(made) == 1
+    assert fn(input.unsqueeze(0), weight, bias).shape == (1, 6, 5)  # declined, then the general path's
+    assert len(made) == 2
+
+
+def test_direct_calls_go_through_the_dispatcher():
+    # Dispatch modes (profilers, FlopCounterMode, FakeTensor) and autograd see the op as through torch.ops.ext
+    input, weight, bias = (t.requires_grad_() for t in make_operands(6, 5, 4, torch.float32))
+    with OpLog() as log:
+        output = ext._calls.linear(input, weight, bias)
+    assert log.ops == ["ext.linear"]
+    assert output.grad_fn is not None and type(output.grad_fn).__name__ != "BackwardCFunction"
+    input, weight = input.detach(), weight.detach()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = ext.linear(mode.from_tensor(input), mode.from_tensor(weight), None)
+    assert fake.shape == (6, 5)
+    with pytest.raises(RuntimeError, match="grad_output shape \\[6, 4\\] does not match weight shape \\[5, 4\\]") as error:
+        ext._calls.linear_backward_input(input, weight)
+    assert "Exception raised from" not in str(error.value)  # the op's own message, without C++'s backtrace
+
+
 # ---- determinism ----
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
