@@ -91,7 +91,8 @@ def build_config(env=os.environ, cuda_available: bool | None = None,
     if forced not in ("", "0", "1"):
         raise ValueError(f"LINEAR_LAB_CUDA must be 0 or 1, got {forced!r}")
     with_cuda = cuda_available if forced == "" else forced == "1"
-    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]  # ops, autograd, conv_ops, loss, python_calls; kernels
+    # ops, autograd, conv_ops, loss, python_calls; then the kernels
+    sources = [*sorted(CSRC.glob("*.cpp")), *sorted((CSRC / "cpu").glob("*.cpp"))]
     if not with_cuda:
         return BuildConfig(False, "", tuple(map(str, sources)), CXX_FLAGS)
     sources += sorted((CSRC / "cuda").glob("*.cu"))
