@@ -10,6 +10,9 @@
 # Usage: bash scripts/gpu_day.sh [REPORT]     (default: $OUT/gpu_day.md under the device tool, else gpu_day.md)
 #   PYTHON      the interpreter with torch (default python3)
 #   QUICK=1     bench.linear and bench.conv --quick, shorter training runs (for a first look, ~3 min)
+#   CHECK_CUDA=0  skip .ci/check_cuda.sh (static, needs no GPU: run it beforehand where device time is free)
+#   STEP_TIMEOUT  seconds after which a step is stopped and reported failed (default: none)
+# Each step's whole output goes to REPORT's sibling *_logs.txt; the report keeps its tail.
 #
 # A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
 # needs. Fetch it beforehand where pip works, into .whl/ (git-ignored), and carry .whl:
@@ -20,6 +23,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 REPORT=${1:-${OUT:+$OUT/}gpu_day.md}
 LOGS=$(mktemp -d)
+FULL_LOGS=${REPORT%.md}_logs.txt
+: > "$FULL_LOGS"
 start_s=$SECONDS
 failed=()
 
@@ -45,8 +50,9 @@ step() {
   local name=$1; shift
   echo "== $name: $*"
   local t0=$SECONDS
-  "$@" > "$LOGS/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-0}" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
+  { echo "=== $name (exit $rc): $*"; cat "$LOGS/$name.log"; } >> "$FULL_LOGS"
   {
     echo "## $name (exit $rc, $((SECONDS - t0)) s)"
     echo
@@ -68,8 +74,8 @@ epochs=(--epochs 3 --train-size 60000)
 if [[ ${QUICK:-0} == 1 ]]; then quick=(--quick); epochs=(--epochs 2 --train-size 10000); fi
 
 step build "$PYTHON" -m ext
-step check_cuda env PYTHON="$PYTHON" bash .ci/check_cuda.sh
-step cuda_tests "$PYTHON" -m pytest tests/test_cuda_ops.py -q -p no:cacheprovider
+[[ ${CHECK_CUDA:-1} == 0 ]] || step check_cuda env PYTHON="$PYTHON" bash .ci/check_cuda.sh
+step cuda_tests "$PYTHON" -m pytest tests/test_cuda_ops.py -q -rfE --tb=short -p no:cacheprovider
 step bench_linear "$PYTHON" -m bench.linear --cuda-only "${quick[@]}" --markdown "$LOGS/bench_linear.md"
 step bench_conv "$PYTHON" -m bench.conv --cuda "${quick[@]}" --markdown "$LOGS/bench_conv.md"
 if "$PYTHON" -c "import hydra" 2>/dev/null; then
