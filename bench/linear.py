@@ -338,18 +338,22 @@ def main(argv=None) -> None:
               f"malloc: {malloc}")
     print(header)
     markdown = [command_line("python -m bench.linear", argv), "", header, ""]
+
+    def save_tables_so_far():  # so that a run cut short keeps the tables it finished
+        if args.markdown:
+            write_markdown(args.markdown, markdown, announce=False)
+
     if args.peers:
         peers.run(shapes, args.threads, min_run_time_s, rounds, markdown)
     else:
-        markdown += against_torch(args, shapes, min_run_time_s, rounds)
+        against_torch(args, shapes, min_run_time_s, rounds, markdown, save_tables_so_far)
     if args.markdown:
         write_markdown(args.markdown, markdown)
 
 
-def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:
+def against_torch(args, shapes, min_run_time_s, rounds, markdown: list[str], table_done) -> None:
     """ext against F.linear in this process, for each thread count, then on CUDA where there is a GPU:
-    prints the tables and returns them as markdown lines."""
-    markdown = []
+    prints the tables, appends them to `markdown` as lines and calls table_done() after each."""
     for count in [] if args.cuda_only else args.threads:
         torch.set_num_threads(count)
         # The peak is read before the first shape and after each one, and the highest reading counts: one
@@ -371,6 +375,7 @@ def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:
         summary = summary_lines(rows) + fault_notes(rows)
         print("\n".join(summary), flush=True)
         markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
+        table_done()
 
     if torch.cuda.is_available():
         torch.set_num_threads(os.cpu_count())
@@ -380,19 +385,22 @@ def against_torch(args, shapes, min_run_time_s, rounds) -> list[str]:
             before = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # both sides: ext follows torch's flag
             try:
-                rows = [row for shape in shapes + CUDA_EXTRA_SHAPES
-                        for row in bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products, dtype)]
+                rows = []
+                for shape in shapes + CUDA_EXTRA_SHAPES:
+                    shape_rows = bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products, dtype)
+                    print(progress_line(shape_rows), file=sys.stderr, flush=True)
+                    rows += shape_rows
             finally:
                 torch.backends.cuda.matmul.allow_tf32 = before
             print(format_text(rows))
             summary = summary_lines(rows) + cuda_goal_lines(rows, precision) + fault_notes(rows)
-            print("\n".join(summary))
+            print("\n".join(summary), flush=True)
             markdown += [f"### {title}", "", format_markdown(rows), ""] + [f"- {s}" for s in summary] + [""]
+            table_done()
     else:
         skipped = "CUDA: skipped (torch.cuda.is_available() is False: this machine has no usable GPU)"
         print("\n" + skipped)
         markdown += [skipped, ""]
-    return markdown
 
 
 if __name__ == "__main__":

@@ -51,10 +51,23 @@ def command_line(prog: str, argv=None) -> str:
     return f"`{' '.join([prog, *arguments])}`"
 
 
-def write_markdown(path, lines) -> None:
-    """Writes a benchmark's tables (markdown lines) to `path` and says so."""
-    Path(path).write_text("\n".join(lines))
-    print(f"markdown written to {path}")
+def describe_device(device) -> str:
+    """'cpu', or a GPU with its name: 'cuda (NVIDIA H200)', so that a GPU figure names the card it ran on."""
+    import torch  # here: the rest of this module needs no torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def write_markdown(path, lines, announce: bool = True) -> None:
+    """Writes a benchmark's tables (markdown lines) to `path`, atomically, and says so if `announce`."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("\n".join(lines))
+    os.replace(partial, path)
+    if announce:
+        print(f"markdown written to {path}")
 
 
 def describe_cpu() -> str:

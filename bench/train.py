@@ -21,7 +21,7 @@ import statistics
 import torch
 
 import data
-from bench.machine import command_line, describe_cpu, write_markdown
+from bench.machine import command_line, describe_cpu, describe_device, write_markdown
 import train
 from trainer import build, config, logs, memory, timing
 
@@ -100,7 +100,7 @@ def main(argv=None):
     model_cfg = configs["torch"].model
     model_text = f"mlp {list(model_cfg.hidden_sizes)}" if model_cfg.name == "mlp" else model_cfg.name
     switches = " ".join(override for override in args.overrides if override.startswith("trainer."))
-    setup = (f"model={model_text}{' (custom: conv=custom too)' if args.conv else ''}, {args.train_size:,} x {image_shape}, batch {args.batch_size}, {device}, "
+    setup = (f"model={model_text}{' (custom: conv=custom too)' if args.conv else ''}, {args.train_size:,} x {image_shape}, batch {args.batch_size}, {describe_device(device)}, "
              f"{logs.counted(args.threads, 'thread')}, {logs.counted(args.epochs, 'timed epoch')} each"
              f"{', ' + switches if switches else ''}; malloc: {malloc}")
     print(f"\n{describe_cpu()}\n{setup}")

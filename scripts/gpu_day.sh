@@ -56,11 +56,10 @@ step() {
   {
     echo "## $name (exit $rc, $((SECONDS - t0)) s)"
     echo
-    echo "\`$*\`"
-    echo
-    if [[ -s $LOGS/$name.md ]]; then
+    if [[ -s $LOGS/$name.md ]]; then  # it starts with its own command line
       cat "$LOGS/$name.md"
     else
+      echo "\`$*\`"; echo
       echo '```'; tail -n 60 "$LOGS/$name.log"; echo '```'
     fi
     echo

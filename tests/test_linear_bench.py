@@ -61,6 +61,25 @@ def test_bench_prints_every_pass_and_writes_markdown(tmp_path, capsys):
     assert describe_cpu() in written  # a figure names the CPU it was measured on
 
 
+def test_a_run_cut_short_keeps_the_tables_it_finished(tmp_path, monkeypatch):
+    markdown = tmp_path / "bench.md"
+    real_bench_shape = bench_linear.bench_shape
+
+    def killed_in_the_second_table(shape, device, threads, *args, **kwargs):
+        if threads == "2":
+            raise KeyboardInterrupt  # as a run stopped by a timeout or Ctrl-C
+        return real_bench_shape(shape, device, threads, *args, **kwargs)
+
+    monkeypatch.setattr(bench_linear, "bench_shape", killed_in_the_second_table)
+    with pytest.raises(KeyboardInterrupt):
+        bench_linear.main(["--threads", "1,2", "--shapes", "8x12->5", "--min-run-time", "0.001",
+                           "--rounds", "1", "--markdown", str(markdown)])
+    written = markdown.read_text()
+    assert "### CPU, 1 thread" in written and "| 8x12->5 |" in written
+    assert "### CPU, 2 threads" not in written
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.md"]  # no partial file left beside it
+
+
 def test_products_mode_times_each_product_alone(capsys):
     bench_linear.main(["--products", "--threads", "1", "--shapes", "8x12->5", "--min-run-time", "0.001",
                        "--rounds", "1"])

@@ -51,6 +51,13 @@ def test_the_cpu_is_named_with_its_core(monkeypatch):
     assert machine.amd_core(25, 0x11) == "Zen 4"
 
 
+def test_a_gpu_is_named_with_its_card(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert machine.describe_device(torch.device("cuda", 0)) == "cuda:0 (NVIDIA H200)"
+    assert machine.describe_device("cuda") == "cuda (NVIDIA H200)"
+    assert machine.describe_device(torch.device("cpu")) == "cpu"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--epochs", "0"], "argument --epochs: '0' is not a positive integer"),
     (["--threads", "two"], "argument --threads: 'two' is not a positive integer"),
