@@ -3,13 +3,15 @@
 # kernel checks (.ci/check_cuda.sh), the CUDA tests on the real kernels (tests/test_cuda_ops.py),
 # bench.linear's CUDA tables against cuBLAS (float32, float32 with TF32, bfloat16; the MLP shapes
 # and 4096^3, with issue 24's goals), bench.conv's against cuDNN (float32, bfloat16: the ResNet
-# shapes) and the whole MLP training step on the GPU, float32 and
-# under autocast (bench.train), and writes it all into one markdown report. A failing step is
-# reported and the next one still runs; the exit status is 1 if any step failed.
+# shapes), Nsight Compute's reading of the 4096^3 forward's kernel in float32 and bfloat16 (where ncu
+# is installed), and the whole MLP training step on the GPU, float32 and under autocast
+# (bench.train), and writes it all into one markdown report. A failing step is reported and the
+# next one still runs; the exit status is 1 if any step failed.
 #
 # Usage: bash scripts/gpu_day.sh [REPORT]     (default: $OUT/gpu_day.md under the device tool, else gpu_day.md)
 #   PYTHON      the interpreter with torch (default python3)
-#   QUICK=1     bench.linear and bench.conv --quick, shorter training runs (for a first look, ~3 min)
+#   QUICK=1     bench.linear and bench.conv --quick, shorter training runs (on an H200: 167 s with
+#               CHECK_CUDA=0, the build 53 s of it, before the ncu steps were added)
 #   CHECK_CUDA=0  skip .ci/check_cuda.sh (static, needs no GPU: run it beforehand where device time is free)
 #   STEP_TIMEOUT  seconds after which a step is stopped and reported failed (default: none)
 # Each step's whole output goes to REPORT's sibling *_logs.txt; the report keeps its tail.
@@ -60,7 +62,7 @@ step() {
       cat "$LOGS/$name.md"
     else
       echo "\`$*\`"; echo
-      echo '```'; tail -n 60 "$LOGS/$name.log"; echo '```'
+      echo '```'; tail -n "${TAIL:-60}" "$LOGS/$name.log"; echo '```'
     fi
     echo
   } >> "$REPORT"
@@ -68,15 +70,26 @@ step() {
   tail -n 3 "$LOGS/$name.log"
 }
 
-quick=()
+# The full bench.linear --cuda-only ran past 150 s on an H200 with its CPU defaults (0.2 s blocks, 5 rounds);
+# on a GPU 0.03 s blocks hold thousands of the small products' calls.
+timing=(--min-run-time 0.03 --rounds 3)
 epochs=(--epochs 3 --train-size 60000)
-if [[ ${QUICK:-0} == 1 ]]; then quick=(--quick); epochs=(--epochs 2 --train-size 10000); fi
+if [[ ${QUICK:-0} == 1 ]]; then timing=(--quick); epochs=(--epochs 2 --train-size 10000); fi
 
 step build "$PYTHON" -m ext
 [[ ${CHECK_CUDA:-1} == 0 ]] || step check_cuda env PYTHON="$PYTHON" bash .ci/check_cuda.sh
 step cuda_tests "$PYTHON" -m pytest tests/test_cuda_ops.py -q -rfE --tb=short -p no:cacheprovider
-step bench_linear "$PYTHON" -m bench.linear --cuda-only "${quick[@]}" --markdown "$LOGS/bench_linear.md"
-step bench_conv "$PYTHON" -m bench.conv --cuda "${quick[@]}" --markdown "$LOGS/bench_conv.md"
+step bench_linear "$PYTHON" -m bench.linear --cuda-only "${timing[@]}" --markdown "$LOGS/bench_linear.md"
+step bench_conv "$PYTHON" -m bench.conv --cuda "${timing[@]}" --markdown "$LOGS/bench_conv.md"
+# Nsight Compute's reading of the 4096^3 forward's kernel: where its cycles go (bench/README.md, "On a GPU").
+if command -v ncu >/dev/null; then
+  for precision in float32 bfloat16; do
+    TAIL=150 step "ncu_$precision" ncu --clock-control none -k regex:gemm_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats \
+      "$PYTHON" -m bench.profile_cuda --precision "$precision"
+  done
+fi
 if "$PYTHON" -c "import hydra" 2>/dev/null; then
   step bench_train_float32 "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_float32.md"
   step bench_train_amp "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_amp.md" trainer.amp=true

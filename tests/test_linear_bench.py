@@ -300,3 +300,19 @@ def test_gpu_day_script_is_valid_bash():
     result = subprocess.run(["bash", "-n", str(Path(__file__).parents[1] / "scripts" / "gpu_day.sh")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
+def test_the_profiling_target_says_in_one_line_that_it_needs_a_gpu():
+    result = subprocess.run([sys.executable, "-m", "bench.profile_cuda", "--precision", "float32"],
+                            capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "bench.profile_cuda: needs a CUDA GPU (torch.cuda.is_available() is False)"]
+
+
+def test_the_profiling_target_refuses_a_bad_shape_in_one_line(capsys):
+    from bench import profile_cuda
+    with pytest.raises(SystemExit):
+        profile_cuda.main(["--shape", "4096x4096"])
+    assert "bad shape '4096x4096'" in capsys.readouterr().err
