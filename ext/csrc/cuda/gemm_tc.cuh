@@ -110,64 +110,93 @@ struct alignas(16) Chunk {
 #define EXT_STAGE_BARRIER() __syncthreads()
 #endif
 
-// This thread's part of one operand's K tile from k0, copied into shared memory, zero past every
-// edge (k_end, the operand's outer size):
+// This thread's part of one operand's K tiles, copied into shared memory, zero past every edge:
 // 16-byte chunks along the contiguous dimension, or (float, outer-major in global memory) single
 // elements, consecutive threads reading consecutive addresses, stored K-major. Operands that are
 // not contiguous and 16-byte aligned (TileOperand::chunk_loads) go through registers instead.
+// What stays fixed over the block's K range (the thread's source, rows and the outer edge) is
+// worked out once, before the K loop; per tile the source steps on and only the K edge is checked.
+// Redone every tile, the 64-bit address and edge arithmetic was 172 of the 246 instructions a warp
+// issued per 16-bit K tile (4 copies, 32 mma), and Nsight Compute on an H200 found the integer pipe
+// the busiest and the kernel issue-bound (bench/README.md, "On a GPU").
 template <typename T, bool k_major>
-__device__ __forceinline__ void load_tile(const TileOperand<T>& op, int64_t outer0, int64_t k0, int64_t k_end,
-                                          T* tile) {
-  if constexpr (!k_major && sizeof(T) == 4) {  // float: element by element, transposed
-    // Thread t copies column t % 128 at 8 consecutive k, from k = 8 (t / 128): one pointer walked
-    // down the column, into two shared chunks (64-bit offsets per element, or a swizzled chunk per
-    // element, were hoisted out of the K loop and spilled registers).
-    constexpr int kRows = kBlockK<T> * kBlockM / kThreads;
-    const int outer = int(threadIdx.x) % kBlockM;
-    const int first_k = int(threadIdx.x) / kBlockM * kRows;
-    const bool outer_inside = outer0 + outer < op.outer_size;
-    const T* src = op.ptr + (outer_inside ? (outer0 + outer) * op.outer_stride + (k0 + first_k) * op.k_stride : 0);
-#pragma unroll
-    for (int k = first_k; k < first_k + kRows; ++k, src += op.k_stride) {
-      const bool inside = outer_inside && k0 + k < k_end;
-      T* dst = tile + swizzled_offset<T>(true, outer, k);
-      if (op.chunk_loads) {
-        ptx::cp_async_4(dst, inside ? src : op.ptr, inside ? 4 : 0);
+struct TileCopier {
+  static constexpr bool kElements = !k_major && sizeof(T) == 4;  // float, transposed on the way in
+  // Elements: thread t copies column t % kBlockM at kElementRows consecutive k from
+  // kElementRows * (t / kBlockM), walking one pointer down the column (64-bit offsets per element,
+  // or a swizzled chunk per element, kept across the K loop spilled registers).
+  static constexpr int kElementRows = kBlockK<T> * kBlockM / kThreads;
+  // Chunks: a tile row (an outer index when K-major, a k otherwise) is kChunksPerRow chunks; thread
+  // t copies chunk t % kChunksPerRow of rows t / kChunksPerRow, + kRowStep, ...
+  static constexpr int kChunkSize = kChunk<T>;
+  static constexpr int kChunksPerRow = (k_major ? kBlockK<T> : kBlockM) / kChunkSize;
+  static constexpr int kRowStep = kThreads / kChunksPerRow;
+
+  const T* src;     // the thread's first element in the next K tile to copy
+  int first_row;    // its first tile row (elements: its first k)
+  int along;        // its first element within the row (elements: its column, an outer index)
+  int outer_limit;  // K-major: the tile's rows inside the operand; else the elements of the thread's
+                    // run inside it (elements: 1 or 0)
+
+  __device__ __forceinline__ TileCopier(const TileOperand<T>& op, int64_t outer0, int64_t k_begin) {
+    const int64_t outer_left = op.outer_size - outer0;
+    if constexpr (kElements) {
+      along = int(threadIdx.x) % kBlockM;
+      first_row = int(threadIdx.x) / kBlockM * kElementRows;
+      outer_limit = along < outer_left ? 1 : 0;
+      src = op.ptr + (outer_limit ? (outer0 + along) * op.outer_stride + (k_begin + first_row) * op.k_stride : 0);
+    } else {
+      first_row = int(threadIdx.x) / kChunksPerRow;
+      along = (int(threadIdx.x) % kChunksPerRow) * kChunkSize;
+      if constexpr (k_major) {
+        outer_limit = outer_left < kBlockM ? int(outer_left) : kBlockM;
       } else {
-        *dst = inside ? *src : 0.0f;
+        const int64_t run_left = outer_left - along;
+        outer_limit = run_left <= 0 ? 0 : run_left >= kChunkSize ? kChunkSize : int(run_left);
+      }
+      src = op.ptr + (outer0 + (k_major ? first_row : along)) * op.outer_stride +
+            (k_begin + (k_major ? along : first_row)) * op.k_stride;
+    }
+  }
+
+  // The next K tile, of whose kBlockK k the first k_left lie in the block's K range, into `tile`.
+  __device__ __forceinline__ void copy_next(const TileOperand<T>& op, int k_left, T* tile) {
+    if constexpr (kElements) {
+      const T* element = src;
+#pragma unroll
+      for (int k = first_row; k < first_row + kElementRows; ++k, element += op.k_stride) {
+        const bool inside = outer_limit && k < k_left;
+        T* dst = tile + swizzled_offset<T>(true, along, k);
+        if (op.chunk_loads) {
+          ptx::cp_async_4(dst, inside ? element : op.ptr, inside ? 4 : 0);
+        } else {
+          *dst = inside ? *element : 0.0f;
+        }
+      }
+    } else {
+      const int64_t row_stride = k_major ? op.outer_stride : op.k_stride;
+      const int64_t along_stride = k_major ? op.k_stride : op.outer_stride;
+      const int run_left = k_left - along;  // K-major: the thread's run's k inside the K range
+      const int run_valid = run_left <= 0 ? 0 : run_left >= kChunkSize ? kChunkSize : run_left;
+#pragma unroll
+      for (int i = 0; i < kChunksPerThread<T>; ++i) {
+        const int row = first_row + i * kRowStep;
+        const int valid = k_major ? (row < outer_limit ? run_valid : 0) : (row < k_left ? outer_limit : 0);
+        const T* chunk = src + i * kRowStep * row_stride;
+        T* dst = tile + (k_major ? swizzled_offset<T>(true, row, along) : swizzled_offset<T>(false, along, row));
+        if (op.chunk_loads) {
+          ptx::cp_async_16(dst, valid > 0 ? chunk : op.ptr, valid * int(sizeof(T)));  // zero-fills past `valid`
+        } else {
+          Chunk<T> values;
+#pragma unroll
+          for (int e = 0; e < kChunkSize; ++e) values.v[e] = e < valid ? chunk[e * along_stride] : from_acc<T>(0.0f);
+          *reinterpret_cast<Chunk<T>*>(dst) = values;
+        }
       }
     }
-    return;
+    src += kBlockK<T> * op.k_stride;
   }
-  // 16-byte chunks: a tile row (an outer index when K-major, a k otherwise) is chunks_per_row
-  // chunks; thread t copies chunk t % chunks_per_row of rows t / chunks_per_row, + row_step, ...
-  constexpr int chunk_size = kChunk<T>;
-  constexpr int chunks_per_row = (k_major ? kBlockK<T> : kBlockM) / chunk_size;
-  constexpr int row_step = kThreads / chunks_per_row;
-  const int first_row = int(threadIdx.x) / chunks_per_row;
-  const int along = (int(threadIdx.x) % chunks_per_row) * chunk_size;  // the chunk's first element in its row
-  const int64_t row_stride = k_major ? op.outer_stride : op.k_stride;
-  const int64_t along_stride = k_major ? op.k_stride : op.outer_stride;
-  const int64_t rows_left = k_major ? op.outer_size - outer0 : k_end - k0;
-  const int64_t run_left = (k_major ? k_end - k0 : op.outer_size - outer0) - along;
-  const int run_valid = run_left <= 0 ? 0 : run_left >= chunk_size ? chunk_size : int(run_left);
-  const T* src = op.ptr + (outer0 + (k_major ? first_row : along)) * op.outer_stride +
-                 (k0 + (k_major ? along : first_row)) * op.k_stride;
-  const int end_row = first_row + kChunksPerThread<T> * row_step;
-#pragma unroll
-  for (int row = first_row; row < end_row; row += row_step, src += row_step * row_stride) {
-    const int valid = row < rows_left ? run_valid : 0;
-    T* dst = tile + (k_major ? swizzled_offset<T>(true, row, along) : swizzled_offset<T>(false, along, row));
-    if (op.chunk_loads) {
-      ptx::cp_async_16(dst, valid > 0 ? src : op.ptr, valid * int(sizeof(T)));  // zero-fills past `valid`
-    } else {
-      Chunk<T> values;
-#pragma unroll
-      for (int i = 0; i < chunk_size; ++i) values.v[i] = i < valid ? src[i * along_stride] : from_acc<T>(0.0f);
-      *reinterpret_cast<Chunk<T>*>(dst) = values;
-    }
-  }
-}
+};
 
 // A float32 register rounded to TF32 (to nearest, ties away, as cuBLAS does); 16-bit pairs as they are.
 template <typename T, int N>
@@ -225,16 +254,23 @@ __device__ __forceinline__ void load_b_fragments(const T* tile, int n0, int k0, 
   }
 }
 
-// K tile k_tile of this block's K range into its stage.
+// Both operands' copiers, and the next K tile of the block's K range into a stage.
 template <typename T, bool a_k_major, bool b_k_major>
-__device__ __forceinline__ void load_stage(const GemmParams<T>& p, const KRange& k_range, Shared<T>& tiles,
-                                           int64_t m0, int64_t n0, int64_t k_tile) {
-  const int stage = int(k_tile % kStages);
-  const int64_t k0 = k_range.k_begin + k_tile * kBlockK<T>;
-  const int64_t k_end = k_range.k_begin + k_range.depth;
-  load_tile<T, a_k_major>(p.a, m0, k0, k_end, tiles.a[stage]);
-  load_tile<T, b_k_major>(p.b, n0, k0, k_end, tiles.b[stage]);
-}
+struct StageLoader {
+  TileCopier<T, a_k_major> a;
+  TileCopier<T, b_k_major> b;
+  int64_t k_left;  // of the block's K range, not yet copied
+
+  __device__ __forceinline__ StageLoader(const GemmParams<T>& p, const KRange& k_range, int64_t m0, int64_t n0)
+      : a(p.a, m0, k_range.k_begin), b(p.b, n0, k_range.k_begin), k_left(k_range.depth) {}
+
+  __device__ __forceinline__ void load_next(const GemmParams<T>& p, Shared<T>& tiles, int stage) {
+    const int tile_k_left = k_left < kBlockK<T> ? int(k_left) : kBlockK<T>;
+    a.copy_next(p.a, tile_k_left, tiles.a[stage]);
+    b.copy_next(p.b, tile_k_left, tiles.b[stage]);
+    k_left -= kBlockK<T>;
+  }
+};
 
 template <typename T>
 inline dim3 gemm_grid(const GemmParams<T>& p) {
@@ -260,20 +296,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
 
   // Prologue: the first kStages - 1 tiles in flight, one commit group each (empty past the end,
   // so the count of groups, which cp_async_wait relies on, is the same for every K).
+  StageLoader<T, a_k_major, b_k_major> loader(p, k_range, m0, n0);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage<T, a_k_major, b_k_major>(p, k_range, tiles, m0, n0, s);
+    if (s < k_tiles) loader.load_next(p, tiles, s);
     ptx::cp_async_commit();
   }
 
   float acc[kTilesM][kTilesN][4] = {};
+  int stage = 0;                      // tile kt's, counted round rather than kt % kStages (64-bit)
+  int next_stage = kStages - 1;       // tile kt + kStages - 1's
   for (int64_t kt = 0; kt < k_tiles; ++kt) {
     EXT_WAIT_FOR_STAGE();  // this thread's copies of tile kt have landed
     EXT_STAGE_BARRIER();  // everyone's have, and every warp is done with tile kt - 1's stage
-    if (kt + kStages - 1 < k_tiles) load_stage<T, a_k_major, b_k_major>(p, k_range, tiles, m0, n0, kt + kStages - 1);
+    if (kt + kStages - 1 < k_tiles) loader.load_next(p, tiles, next_stage);
     ptx::cp_async_commit();
-
-    const int stage = int(kt % kStages);
 #pragma unroll
     for (int k = 0; k < kBlockK<T>; k += kMmaK<T>) {
       uint32_t b[kTilesN][2];  // the warp's B fragments, then one A fragment at a time: fewer live registers
@@ -286,6 +323,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) gemm_kernel(const G
         for (int j = 0; j < kTilesN; ++j) ptx::mma<T>(acc[i][j], a, b[j]);
       }
     }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+    next_stage = next_stage == kStages - 1 ? 0 : next_stage + 1;
   }
 
   // Epilogue: accumulator r of tile (i, j) is C's row group + 8 (r / 2), column 2 (lane % 4) + r % 2
