@@ -116,9 +116,9 @@ struct alignas(16) Chunk {
 // not contiguous and 16-byte aligned (TileOperand::chunk_loads) go through registers instead.
 // What stays fixed over the block's K range (the thread's source, rows and the outer edge) is
 // worked out once, before the K loop; per tile the source steps on and only the K edge is checked.
-// Redone every tile, the 64-bit address and edge arithmetic was 172 of the 246 instructions a warp
-// issued per 16-bit K tile (4 copies, 32 mma), and Nsight Compute on an H200 found the integer pipe
-// the busiest and the kernel issue-bound (bench/README.md, "On a GPU").
+// Redone every tile, that 64-bit address and edge arithmetic made the integer pipe the busiest in
+// Nsight Compute on an H200, the kernel issue-bound (bench/README.md, "On a GPU"); worked out once,
+// a 16-bit K tile is 152 SASS instructions a warp around its 32 HMMA, not 199 (sm_90a, cp.async).
 template <typename T, bool k_major>
 struct TileCopier {
   static constexpr bool kElements = !k_major && sizeof(T) == 4;  // float, transposed on the way in
