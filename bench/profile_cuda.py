@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pass", dest="pass_name", choices=["forward", "backward"], default="forward")
     parser.add_argument("--calls", type=int, default=3)
     args = parser.parse_args(argv)
+    if len(args.shape) != 1 or args.calls < 1:
+        parser.error("give one --shape and --calls of at least 1")
     if not torch.cuda.is_available():
         parser.exit(1, "bench.profile_cuda: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
 

@@ -317,3 +317,7 @@ def test_the_profiling_target_refuses_a_bad_shape_in_one_line(capsys):
     with pytest.raises(SystemExit):
         profile_cuda.main(["--shape", "4096x4096"])
     assert "bad shape '4096x4096'" in capsys.readouterr().err
+    for argv in (["--shape", "8x8->8,16x16->16"], ["--calls", "0"]):
+        with pytest.raises(SystemExit):
+            profile_cuda.main(argv)
+        assert "give one --shape and --calls of at least 1" in capsys.readouterr().err
