@@ -398,7 +398,7 @@ def test_blocking_follows_this_cpus_caches():
         b = block_sizes(path, torch.float32)
         assert (b["l1d_bytes"], b["l2_bytes"]) == (caches["l1d"], caches["l2"])
         assert b["mc"] == expected_mc(path, caches["l2"])
-        assert b["rows_outer_max_b_bytes"] == caches["l1d"] // 2
+        assert b["rows_outer_max_b_bytes"] == caches["l1d"] * 5 // 8
 
 
 SCRIPT = """
