@@ -199,7 +199,7 @@ constexpr int64_t kMaxRowsForBInPlace = 128;
 // row tiles run outermost (see rows_outer in gemm_slab), and on several threads the rows
 // are split (gemm). Measured on Zen 4 (32 KiB L1d; processes alternating, 10 rounds, median
 // of the paired ratios, half -> 5/8): dX 128x512->10 (B 20 KiB) 1.21x faster on 2 threads,
-// 64x512->10 1.24x, both 1.00 on 1 thread. With 3/4, 2 threads gained at 24 KiB too
+// 64x512->10 1.24x; on 1 thread 1.00 and 1.02. With 3/4, 2 threads gained at 24 KiB too
 // (128x600->10 1.14x) but 1 thread lost there (0.976); the row split alone, with column
 // panels outermost, was slower (0.77).
 int64_t rows_outer_max_b_bytes() { return caches().l1d_bytes * 5 / 8; }
