@@ -21,7 +21,8 @@ def _block_sizes_text() -> str:
     return (f"float32 tile {b['wide_mr']}x{b['wide_nr']} ({b['many_rows_mr']}x{b['many_rows_nr']} from "
             f"{b['many_rows_min_rows']} rows), KC {b['kc']} (one block up to {b['max_single_k_block']}), "
             f"MC {b['mc']}, NC {b['nc']}, for L1d {b['l1d_bytes'] // 1024} KiB and L2 {b['l2_bytes'] // 1024} KiB "
-            f"per core")
+            f"per core; the forward as Yᵀ = W·Xᵀ from {b['transposed_min_rows']} rows where "
+            f"in·(out − batch) > {b['transposed_c_cost']}·batch·out")
 
 
 def describe_build(manifest: dict) -> str:

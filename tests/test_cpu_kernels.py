@@ -155,6 +155,52 @@ def test_strided_and_transposed_operands(path, dtype):
             assert_close(ops.linear_backward_bias(dy), column_sums(dy), m)
 
 
+def computes_transposed(m, n, k, b):
+    """Whether gemm computes the forward Y = X·Wᵀ (X contiguous, W as held) as Yᵀ = W·Xᵀ: gemm.cpp's rule,
+    its two numbers read from the kernels (ext.cpu_block_sizes)."""
+    return m >= b["transposed_min_rows"] and k * (n - m) > b["transposed_c_cost"] * m * n
+
+
+def first_transposed_depth(m, n, b):
+    """The least K from which an m-row forward with n outputs is computed as Yᵀ."""
+    return b["transposed_c_cost"] * m * n // (n - m) + 1
+
+
+def transposed_shapes(path, dtype):
+    """(M, N, K) forwards computed as Yᵀ = W·Xᵀ: the fewest rows the rule takes (the narrow tile's width),
+    ragged row and column panels of each tile Yᵀ runs (narrow, wide, many-rows), K in one block and in
+    several (the bias starts only the first block's sums, the ReLU ends the last), and the least K.
+    (No shallow K: the rule needs K > transposed_c_cost·M.)"""
+    b = block_sizes(path, dtype)
+    rows, lanes, kc = b["transposed_min_rows"], b["lanes"], b["kc"]
+    two_k_blocks = b["max_single_k_block"] + 1
+    shapes = [(rows, 5 * b["narrow_mr"] + 3, two_k_blocks),                       # Yᵀ on the narrow tile
+              (rows + 1, 7 * b["wide_mr"] + 1, 2 * kc + 1),                        # the wide tile, one value past a vector
+              (b["wide_nr"] + lanes + 1, b["many_rows_min_rows"] + b["many_rows_mr"] + 1, 2 * kc + 3)]  # many rows
+    shapes += [(rows, n, first_transposed_depth(rows, n, b)) for n in (2 * rows, 5 * b["narrow_mr"] + 1)]
+    assert all(computes_transposed(m, n, k, b) for m, n, k in shapes)
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_forward_computed_as_its_transpose_is_the_same_to_the_bit(path, dtype):
+    # The same product with X column-major is never computed as Yᵀ (X's panels are packed instead): every
+    # element must get the same arithmetic either way, on any thread count.
+    with cpu_path(path):
+        for seed, (m, n, k) in enumerate(transposed_shapes(path, dtype)):
+            x, w = make(m, k, dtype, "contiguous", seed), make(n, k, dtype, "contiguous", seed + 100)
+            x_column_major, bias = x.t().contiguous().t(), make(1, n, dtype, "contiguous", seed + 200)[0]
+            shape = f"M={m} N={n} K={k}"
+            for op, relu in ((ops.linear, False), (ops.linear_relu, True)):
+                for b in (bias, None):
+                    expected = op(x_column_major, w, b)
+                    assert_close(expected, exact(x, w.t(), b, relu=relu), k + 1)
+                    for threads in (1, 2, 3):
+                        with num_threads(threads):
+                            assert torch.equal(op(x, w, b), expected), f"{shape}, {threads} threads"
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_bias_and_relu_epilogue(path):
     m, n, k = 37, 41, 19
@@ -470,6 +516,14 @@ def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
         # dX = dY·W reads W in place; dW = dYᵀ·X packs dYᵀ once and reads X in place.
         assert packed_by(lambda: ops.linear_backward_input(dy, w)) == (0, 0)
         assert packed_by(lambda: ops.linear_backward_weight(dy, x)) == (n * rows, 0)
+        # Few rows and deep enough: Yᵀ = W·Xᵀ reads W in place and transposes only X into panels (Yᵀ's rows
+        # whole panels of its tile, the narrow one, so that none is packed for its padding).
+        rows, n = b["transposed_min_rows"], 4 * b["narrow_mr"]
+        k = first_transposed_depth(rows, n, b)
+        assert packed_by(lambda: ops.linear(torch.randn(rows, k), torch.randn(n, k), None)) == (0, rows * k)
+        # One shallower, or one row fewer: W's panels are packed (and X's ragged last row panel, if any).
+        assert packed_by(lambda: ops.linear(torch.randn(rows, k - 1), torch.randn(n, k - 1), None))[1] == n * (k - 1)
+        assert packed_by(lambda: ops.linear(torch.randn(rows - 1, k), torch.randn(n, k), None))[1] == n * k
 
 
 @pytest.mark.parametrize("path", PATHS)

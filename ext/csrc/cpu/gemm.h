@@ -36,6 +36,8 @@ constexpr double kWholeSlabsMaxFlops = 4e6;
 // so a transposed operand costs nothing (dW = dYᵀ·X packs straight from dY).
 // bias has N elements or is nullptr. C is overwritten, never read, unless accumulate
 // is set: then C += A·B (bias must be nullptr; the convolutions sum K in chunks so).
+// A product whose B is a transposed view much larger than A (the forward of a wide layer)
+// is computed as Cᵀ = Bᵀ·Aᵀ and transposed into C, with the same arithmetic (gemm.cpp).
 // With relu set, C = max(C, 0) is applied in the same store (fused epilogue).
 // Results are bit-identical from run to run and for any thread count: work is
 // split over output tiles only, never over K.
@@ -158,6 +160,8 @@ struct BlockSizes {
   int64_t many_rows_min_rows;
   int64_t b_in_place_max_rows;         // up to this many rows of C a row-major B is read unpacked
   int64_t rows_outer_max_b_bytes;      // both operands in place and B's block this small: row tiles outermost
+  int64_t transposed_min_rows;         // C = A·Bᵀ-view computed as Cᵀ from this many rows of C, when
+  int64_t transposed_c_cost;           // K·(N − M) > transposed_c_cost·M·N (gemm.cpp: computes_transposed)
   int64_t l2_bytes;                    // L2 per core as detected (gemm.cpp: caches); MC and the rest follow
   int64_t l1d_bytes;                   // L1d per core as detected
 };

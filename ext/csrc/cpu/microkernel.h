@@ -10,9 +10,10 @@ namespace ext::cpu {
 // Most vectors per row of a register tile (NR = NV x lanes), over all paths.
 constexpr int kMaxTileVectors = 4;
 
-// One register tile: C[rows x cols] = (accumulate ? C : bias row or 0) + A·B over
-// a depth of kc, then max(., 0) if relu. A·B is summed in registers and added to C
-// at the store. A[i, k] = a[i * a_row_stride + k *
+// One register tile: C[rows x cols] = (accumulate ? C : bias) + A·B over a depth of kc,
+// then max(., 0) if relu. With accumulate, A·B is summed in registers and added to C at
+// the store; without, each sum starts from its bias (a value per column, or per row, or
+// 0). A[i, k] = a[i * a_row_stride + k *
 // a_k_stride] (a packed panel, or the caller's matrix read in place); B's row k
 // is NR values at b + k * b_k_stride (a packed panel, b_k_stride = NR, or the
 // caller's row-major matrix read in place). rows <= MR and cols <= NR; rows
@@ -34,6 +35,7 @@ struct TileArgs {
   int64_t ldc;
   int64_t rows, cols;
   const T* bias;  // cols values, used when !accumulate; nullptr means zero
+  const T* row_bias;  // or rows values, one per row (a product computed as Cᵀ, gemm.cpp)
   bool accumulate;
   bool relu;
 };
@@ -61,12 +63,19 @@ struct Microkernel {
   // The same two with indexed B (TileArgs::b_offsets).
   TileFn indexed_b_unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
   TileFn indexed_b_unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
+  // The same two with a bias by row (TileArgs::row_bias): a product computed as Cᵀ.
+  TileFn row_bias_unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
+  TileFn row_bias_unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
   int row_variant(int64_t rows) const { return rows <= rows_of_variant[2] ? 2 : rows <= rows_of_variant[1] ? 1 : 0; }
   TileFn tile_unit_row_stride(int64_t rows, int64_t cols) const {
     return unit_row_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
   }
   TileFn tile_unit_k_stride(int64_t rows, int64_t cols) const {
     return unit_k_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
+  }
+  TileFn tile_row_bias(bool unit_row_stride, int64_t rows, int64_t cols) const {
+    return (unit_row_stride ? row_bias_unit_row_stride_tiles : row_bias_unit_k_stride_tiles)[row_variant(rows)]
+                                                                                              [(cols - 1) / lanes];
   }
   TileFn tile_indexed_b(bool unit_row_stride, int64_t rows, int64_t cols) const {
     return (unit_row_stride ? indexed_b_unit_row_stride_tiles : indexed_b_unit_k_stride_tiles)[row_variant(rows)]
@@ -93,6 +102,8 @@ struct Microkernels {
   // also sums[c] = the column sums of masked, added as sum_rows adds. Rows contiguous.
   void (*relu_backward_sum_rows)(const T* dy, int64_t dy_row_stride, const T* output, int64_t output_row_stride,
                                  int64_t rows, int64_t cols, T* masked, int64_t masked_row_stride, T* sums);
+  // dst[j * dst_row_stride + i] = src[i * src_row_stride + j] for i < rows, j < cols.
+  void (*transpose)(const T* src, int64_t src_row_stride, int64_t rows, int64_t cols, T* dst, int64_t dst_row_stride);
 };
 
 template <typename T> Microkernels<T> portable_microkernels();

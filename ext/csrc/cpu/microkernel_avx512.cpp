@@ -49,12 +49,12 @@ struct Avx512Double : AvxTranspose<double> {
 template <> Microkernels<float> avx512_microkernels<float>() {
   return {make_microkernel<Avx512Float, 8, 3>(), make_microkernel<Avx512Float, 8, 1>(),
           make_microkernel<Avx512Float, 6, 4>(), &sum_rows_contiguous<Avx512Float>,
-          &relu_backward_sum_rows<Avx512Float>};
+          &relu_backward_sum_rows<Avx512Float>, &transpose_matrix<Avx512Float>};
 }
 template <> Microkernels<double> avx512_microkernels<double>() {
   const Microkernel<double> wide = make_microkernel<Avx512Double, 8, 2>();
   return {wide, make_microkernel<Avx512Double, 8, 1>(), wide, &sum_rows_contiguous<Avx512Double>,
-          &relu_backward_sum_rows<Avx512Double>};
+          &relu_backward_sum_rows<Avx512Double>, &transpose_matrix<Avx512Double>};
 }
 
 }  // namespace ext::cpu

@@ -30,7 +30,7 @@ inline void store(typename Simd::T* p, typename Simd::V v) {
 // k loop, for a tile whose MR rows and NR columns all exist (edge tiles: `tile`).
 // kUnitRowStride picks the A addressing at compile time so the packed case (the
 // hot one) has no stride multiplies; kIndexedB the B addressing.
-template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB>
+template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias>
 void full_tile(const TileArgs<typename Simd::T>& t) {
   using T = typename Simd::T;
   using V = typename Simd::V;
@@ -44,12 +44,18 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
   // (1 thread, interleaved with torch): dX 128x256->10 7.6 -> 6.9 us, 128x512->10
   // 13.0 -> 11.7 us, dW of the 10-class head (10x256, K = 128) 8.1 -> 6.9 us,
   // dW 128x256->256 96.2 -> 94.3 us; 1024^3 unchanged.
+  // Each sum starts from its bias: by column, or by row (kRowBias) in a product computed as Cᵀ
+  // (gemm.cpp), so either way every element is summed alike. Row bias is an instance of its own:
+  // a run-time choice here cost the heads' dX 3-4% (1 thread, processes alternating).
   V acc[MR][NV];
   _Pragma("GCC unroll 16")
   for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 16")
     for (int v = 0; v < NV; ++v)
-      acc[i][v] = !t.accumulate && t.bias ? load<Simd>(t.bias + v * W) : V{};
+      if constexpr (kRowBias)
+        acc[i][v] = t.accumulate ? V{} : Simd::broadcast(t.row_bias[i]);
+      else
+        acc[i][v] = !t.accumulate && t.bias ? load<Simd>(t.bias + v * W) : V{};
 
   const T* a = t.a;
   const T* b = t.b;
@@ -105,13 +111,14 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
 // 96.8 GFLOP/s, at 64 110 -> 113; dX 128x256->10 9.2 -> 8.3 us and 128x512->10
 // 17.0 -> 15.5 (processes alternating, faster in each of 8 rounds); the MLP's
 // other products and 1024^3 1.00-1.02x. Each half gave about half of it.
-template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB = false>
+template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB = false, bool kRowBias = false>
 void tile(const TileArgs<typename Simd::T>& t) {
   using T = typename Simd::T;
   constexpr int NR = NV * Simd::kLanes;
-  if (t.rows == MR && t.cols == NR) return full_tile<Simd, MR, NV, kUnitRowStride, kIndexedB>(t);
+  if (t.rows == MR && t.cols == NR) return full_tile<Simd, MR, NV, kUnitRowStride, kIndexedB, kRowBias>(t);
   alignas(64) T edge_c[MR * NR];
   alignas(64) T edge_bias[NR];
+  T edge_row_bias[MR];
   TileArgs<T> edge = t;
   edge.c = edge_c;
   edge.ldc = NR;
@@ -123,7 +130,12 @@ void tile(const TileArgs<typename Simd::T>& t) {
     std::copy_n(t.bias, t.cols, edge_bias);
     edge.bias = edge_bias;
   }
-  full_tile<Simd, MR, NV, kUnitRowStride, kIndexedB>(edge);
+  if (kRowBias && t.row_bias) {
+    std::fill_n(edge_row_bias, MR, T(0));
+    std::copy_n(t.row_bias, t.rows, edge_row_bias);
+    edge.row_bias = edge_row_bias;
+  }
+  full_tile<Simd, MR, NV, kUnitRowStride, kIndexedB, kRowBias>(edge);
   for (int64_t i = 0; i < t.rows; ++i) std::copy_n(edge_c + i * NR, t.cols, t.c + i * t.ldc);
 }
 
@@ -178,6 +190,24 @@ void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_str
     }
     for (int64_t k = 0; count < P && k < kc; ++k) std::fill(dst + k * P + count, dst + (k + 1) * P, T(0));
   }
+}
+
+// dst = srcᵀ (rows x cols of src): Simd::transpose's blocks in squares of whole 64-byte cache
+// lines, as pack_panels reads a transposed operand, then the ragged edges.
+template <class Simd>
+void transpose_matrix(const typename Simd::T* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                      typename Simd::T* dst, int64_t dst_row_stride) {
+  constexpr int B = Simd::kTransposeBlock;
+  constexpr int64_t S = 2 * B;
+  const int64_t rows_blocked = rows / B * B, cols_blocked = cols / B * B;
+  for (int64_t i0 = 0; i0 < rows_blocked; i0 += S)
+    for (int64_t j0 = 0; j0 < cols_blocked; j0 += S)
+      for (int64_t i = i0; i < std::min(i0 + S, rows_blocked); i += B)
+        for (int64_t j = j0; j < std::min(j0 + S, cols_blocked); j += B)
+          Simd::transpose(src + i * src_row_stride + j, src_row_stride, dst + j * dst_row_stride + i, dst_row_stride);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < rows_blocked ? cols_blocked : 0; j < cols; ++j)
+      dst[j * dst_row_stride + i] = src[i * src_row_stride + j];
 }
 
 // Column sums over contiguous rows, kSumVectors vectors of columns held in
@@ -256,12 +286,12 @@ void relu_backward_sum_rows(const typename Simd::T* dy, int64_t dy_row_stride, c
 }
 
 // Instances of an R-row tile for 1 .. kMaxTileVectors vectors of columns (at most NV).
-template <class Simd, int R, int NV, bool kUnitRowStride, bool kIndexedB = false>
+template <class Simd, int R, int NV, bool kUnitRowStride, bool kIndexedB = false, bool kRowBias = false>
 void set_tiles(typename Microkernel<typename Simd::T>::TileFn (&tiles)[kMaxTileVectors]) {
-  tiles[0] = &tile<Simd, R, 1, kUnitRowStride, kIndexedB>;
-  tiles[1] = &tile<Simd, R, std::min(2, NV), kUnitRowStride, kIndexedB>;
-  tiles[2] = &tile<Simd, R, std::min(3, NV), kUnitRowStride, kIndexedB>;
-  tiles[3] = &tile<Simd, R, std::min(4, NV), kUnitRowStride, kIndexedB>;
+  tiles[0] = &tile<Simd, R, 1, kUnitRowStride, kIndexedB, kRowBias>;
+  tiles[1] = &tile<Simd, R, std::min(2, NV), kUnitRowStride, kIndexedB, kRowBias>;
+  tiles[2] = &tile<Simd, R, std::min(3, NV), kUnitRowStride, kIndexedB, kRowBias>;
+  tiles[3] = &tile<Simd, R, std::min(4, NV), kUnitRowStride, kIndexedB, kRowBias>;
 }
 
 // The tiles of one row count: [unit row stride, unit k stride] x [packed B, indexed B].
@@ -271,6 +301,8 @@ void set_row_variant(Microkernel<typename Simd::T>& uk, int variant) {
   set_tiles<Simd, R, NV, false>(uk.unit_k_stride_tiles[variant]);
   set_tiles<Simd, R, NV, true, true>(uk.indexed_b_unit_row_stride_tiles[variant]);
   set_tiles<Simd, R, NV, false, true>(uk.indexed_b_unit_k_stride_tiles[variant]);
+  set_tiles<Simd, R, NV, true, false, true>(uk.row_bias_unit_row_stride_tiles[variant]);
+  set_tiles<Simd, R, NV, false, false, true>(uk.row_bias_unit_k_stride_tiles[variant]);
 }
 
 template <class Simd, int MR, int NV>
