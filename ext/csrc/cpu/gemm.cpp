@@ -343,6 +343,20 @@ inline void prefetch_tile(const void* c, int64_t rows, int64_t row_bytes, int64_
     for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(p + i * ld_bytes + byte, 1);
 }
 
+// Prefetches runs [first, last) of a B micro-panel's source into L2, for the pack that follows: the
+// contiguous runs of a row-major B (its kc rows of `cols` values) or of a transposed one (its cols
+// columns of kc values).
+template <typename T>
+void prefetch_b_runs(const T* b, int64_t b_rs, int64_t b_cs, int64_t kc, int64_t cols, int64_t first, int64_t last) {
+  const bool row_runs = b_cs == 1;
+  const int64_t run_stride = row_runs ? b_rs : b_cs;
+  const int64_t run_bytes = (row_runs ? cols : kc) * static_cast<int64_t>(sizeof(T));
+  for (int64_t run = first; run < last; ++run) {
+    const char* p = reinterpret_cast<const char*>(b + run * run_stride);
+    for (int64_t byte = 0; byte < run_bytes; byte += 64) __builtin_prefetch(p + byte, 0, 2);
+  }
+}
+
 // The five loops on one slab of C: rows [m0, m1), columns [n0, n1). The bias is by column
 // (bias, N values) or by row (row_bias, M values: a product computed as Cᵀ).
 template <typename T>
@@ -481,9 +495,23 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
               run_tile(ir, jr, nullptr, 0);
             }
         } else {
+          // A B packed a micro-panel at a time: each row tile also asks for its share of the next
+          // panel's source, so that the pack reads it from L2 rather than memory. Measured on Zen 4
+          // (processes alternating, 8 rounds, median of the paired ratios): dX 128x2048->1000 (W's
+          // 8 MiB copied into panels on every call) 0.960 and 0.968 of the time on 1 thread, 1.006 on
+          // 2; the MLP's products within 1%.
+          const bool prefetch_next_b = pack_b_per_panel && (b_cs == 1 || b_rs == 1);
+          const int64_t row_tiles = (mc + MR - 1) / MR;
           for (int64_t jr = 0; jr < nc; jr += NR) {
             b_panel(jr, std::min(NR, nc - jr));
+            const int64_t next_cols = std::min(NR, nc - jr - NR);
+            const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? kc : next_cols;
             for (int64_t ir = 0; ir < mc; ir += MR) {
+              if (next_runs > 0) {
+                const int64_t t = ir / MR;
+                prefetch_b_runs(b_block + (jr + NR) * b_cs, b_rs, b_cs, kc, next_cols, next_runs * t / row_tiles,
+                                next_runs * (t + 1) / row_tiles);
+              }
               // Only tiles that load C (accumulate) prefetch the next one. A
               // first K block only stores C, and with a row stride of whole
               // 4 KiB pages the prefetched rows all fill the same L1 sets as
