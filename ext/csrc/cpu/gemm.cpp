@@ -426,6 +426,9 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
   T* packed_a = shared_packed_a ? nullptr : t_packed_a.get<T>((read_a_in_place ? MR : MC) * KC);
   const T* a_panels = shared_packed_a ? shared_packed_a : packed_a;
+  // The tiles this slab runs, by how A is read: with a bias by row (a product computed as Cᵀ) or not.
+  const auto& unit_row_stride_tiles = row_bias ? uk.row_bias_unit_row_stride_tiles : uk.unit_row_stride_tiles;
+  const auto& unit_k_stride_tiles = row_bias ? uk.row_bias_unit_k_stride_tiles : uk.unit_k_stride_tiles;
   TileArgs<T> tile{};
   tile.ldc = ldc;
   for (int64_t jc = n0; jc < n1; jc += kNC) {
@@ -469,9 +472,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
           auto run = [&](bool unit_row_stride) {
             if (indexed_b) return uk.tile_indexed_b(unit_row_stride, tile.rows, tile.cols)(tile);
-            if (row_bias) return uk.tile_row_bias(unit_row_stride, tile.rows, tile.cols)(tile);
-            (unit_row_stride ? uk.tile_unit_row_stride(tile.rows, tile.cols)
-                             : uk.tile_unit_k_stride(tile.rows, tile.cols))(tile);
+            (unit_row_stride ? unit_row_stride_tiles : unit_k_stride_tiles)[uk.row_variant(tile.rows)]
+                                                                          [(tile.cols - 1) / uk.lanes](tile);
           };
           if (!read_a_in_place) {
             tile.a = a_panels + ir * kc;
@@ -500,7 +502,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           // (processes alternating, 8 rounds, median of the paired ratios): dX 128x2048->1000 (W's
           // 8 MiB copied into panels on every call) 0.960 and 0.968 of the time on 1 thread, 1.006 on
           // 2; the MLP's products within 1%.
-          const bool prefetch_next_b = pack_b_per_panel && (b_cs == 1 || b_rs == 1);
+          const bool prefetch_next_b = pack_b_per_panel && !read_b_in_place && (b_cs == 1 || b_rs == 1);
           const int64_t row_tiles = (mc + MR - 1) / MR;
           for (int64_t jr = 0; jr < nc; jr += NR) {
             b_panel(jr, std::min(NR, nc - jr));

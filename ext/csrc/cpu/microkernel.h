@@ -73,10 +73,6 @@ struct Microkernel {
   TileFn tile_unit_k_stride(int64_t rows, int64_t cols) const {
     return unit_k_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
   }
-  TileFn tile_row_bias(bool unit_row_stride, int64_t rows, int64_t cols) const {
-    return (unit_row_stride ? row_bias_unit_row_stride_tiles : row_bias_unit_k_stride_tiles)[row_variant(rows)]
-                                                                                              [(cols - 1) / lanes];
-  }
   TileFn tile_indexed_b(bool unit_row_stride, int64_t rows, int64_t cols) const {
     return (unit_row_stride ? indexed_b_unit_row_stride_tiles : indexed_b_unit_k_stride_tiles)[row_variant(rows)]
                                                                                                 [(cols - 1) / lanes];
