@@ -139,6 +139,25 @@ void tile(const TileArgs<typename Simd::T>& t) {
   for (int64_t i = 0; i < t.rows; ++i) std::copy_n(edge_c + i * NR, t.cols, t.c + i * t.ldc);
 }
 
+// dst = srcᵀ (rows x cols of src): Simd::transpose's blocks in squares of whole 64-byte cache
+// lines (2 x 2 blocks: each source line read is used up at once, see pack_panels), then the
+// ragged edges. Packs a transposed operand, and writes C from a product computed as Cᵀ.
+template <class Simd>
+void transpose_matrix(const typename Simd::T* src, int64_t src_row_stride, int64_t rows, int64_t cols,
+                      typename Simd::T* dst, int64_t dst_row_stride) {
+  constexpr int B = Simd::kTransposeBlock;
+  constexpr int64_t S = 2 * B;
+  const int64_t rows_blocked = rows / B * B, cols_blocked = cols / B * B;
+  for (int64_t i0 = 0; i0 < rows_blocked; i0 += S)
+    for (int64_t j0 = 0; j0 < cols_blocked; j0 += S)
+      for (int64_t i = i0; i < std::min(i0 + S, rows_blocked); i += B)
+        for (int64_t j = j0; j < std::min(j0 + S, cols_blocked); j += B)
+          Simd::transpose(src + i * src_row_stride + j, src_row_stride, dst + j * dst_row_stride + i, dst_row_stride);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < rows_blocked ? cols_blocked : 0; j < cols; ++j)
+      dst[j * dst_row_stride + i] = src[i * src_row_stride + j];
+}
+
 // Panels of P consecutive "lines" (rows of A, columns of B), each k-major:
 // dst[panel][k][p] = src[(panel * P + p) * line_stride + k * k_stride], zero-padded.
 // Reads follow whichever stride is 1; when that is k, whole blocks are
@@ -147,7 +166,6 @@ template <class Simd, int P>
 void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_stride, int64_t lines,
                  int64_t kc, typename Simd::T* dst) {
   using T = typename Simd::T;
-  constexpr int B = Simd::kTransposeBlock;
   if (line_stride == 1) {
     // Each k is a contiguous run of the source (A column-major, B row-major).
     // G panels at a time, so each k reads whole cache lines (G x P values a
@@ -166,8 +184,7 @@ void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_str
     if (line_stride == 1 && count == P) {
       for (int64_t k = 0; k < kc; ++k) std::memcpy(dst + k * P, panel + k * k_stride, P * sizeof(T));
     } else if (k_stride == 1) {
-      // B x B blocks through registers, then the ragged right and bottom edges.
-      const int64_t p_blocked = count / B * B, kc_blocked = kc / B * B;
+      // B x B blocks through registers (transpose_matrix), then the ragged right and bottom edges.
       // Lines outermost, in squares of whole 64-byte cache lines (2 x 2 blocks of 8x8 floats or 4x4
       // doubles), so each line read is used up at once. With k outermost, the forward's B = Wᵀ read
       // 32 bytes of each of 48 lines of W per step, and where W's rows are a multiple of 4 KiB apart
@@ -176,38 +193,13 @@ void pack_panels(const typename Simd::T* src, int64_t line_stride, int64_t k_str
       // 1343 -> 1228 on 2; 128x256->256 0.98 on both, 128x784->256 within the noise. A 16x16
       // AVX-512 transpose (64 shuffles per 256 floats, against 96 in four 8x8) was no faster:
       // 128x2048->1000 1.006 and 1.028 of the 8x8 blocks' time on 1 and 2 threads.
-      constexpr int64_t S = 2 * B;
-      for (int64_t p0 = 0; p0 < p_blocked; p0 += S)
-        for (int64_t k0 = 0; k0 < kc_blocked; k0 += S)
-          for (int64_t p = p0; p < std::min(p0 + S, p_blocked); p += B)
-            for (int64_t k = k0; k < std::min(k0 + S, kc_blocked); k += B)
-              Simd::transpose(panel + p * line_stride + k, line_stride, dst + k * P + p, P);
-      for (int64_t p = 0; p < count; ++p)
-        for (int64_t k = p < p_blocked ? kc_blocked : 0; k < kc; ++k) dst[k * P + p] = panel[p * line_stride + k];
+      transpose_matrix<Simd>(panel, line_stride, count, kc, dst, P);
     } else {
       for (int64_t k = 0; k < kc; ++k)
         for (int64_t p = 0; p < count; ++p) dst[k * P + p] = panel[p * line_stride + k * k_stride];
     }
     for (int64_t k = 0; count < P && k < kc; ++k) std::fill(dst + k * P + count, dst + (k + 1) * P, T(0));
   }
-}
-
-// dst = srcᵀ (rows x cols of src): Simd::transpose's blocks in squares of whole 64-byte cache
-// lines, as pack_panels reads a transposed operand, then the ragged edges.
-template <class Simd>
-void transpose_matrix(const typename Simd::T* src, int64_t src_row_stride, int64_t rows, int64_t cols,
-                      typename Simd::T* dst, int64_t dst_row_stride) {
-  constexpr int B = Simd::kTransposeBlock;
-  constexpr int64_t S = 2 * B;
-  const int64_t rows_blocked = rows / B * B, cols_blocked = cols / B * B;
-  for (int64_t i0 = 0; i0 < rows_blocked; i0 += S)
-    for (int64_t j0 = 0; j0 < cols_blocked; j0 += S)
-      for (int64_t i = i0; i < std::min(i0 + S, rows_blocked); i += B)
-        for (int64_t j = j0; j < std::min(j0 + S, cols_blocked); j += B)
-          Simd::transpose(src + i * src_row_stride + j, src_row_stride, dst + j * dst_row_stride + i, dst_row_stride);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = i < rows_blocked ? cols_blocked : 0; j < cols; ++j)
-      dst[j * dst_row_stride + i] = src[i * src_row_stride + j];
 }
 
 // Column sums over contiguous rows, kSumVectors vectors of columns held in
