@@ -12,8 +12,9 @@ is the best of its rounds.
 The forward's B is Wᵀ. With W as nn.Linear holds it (out x in, rows contiguous) every column panel of B is
 packed (transposed) before the tiles read it, except where gemm.cpp computes the forward as Yᵀ = W·Xᵀ
 (few rows against a deep W; `python -m ext` prints the rule): then X is packed, and the share reads
-batch / out. With the same weights stored transposed (a column-major W), B's rows are contiguous and gemm.cpp reads them in place when the batch is at most `b_in_place_max_rows` rows
-(python -m ext), a thread's block of B fits in half of L2 and its rows are not a multiple of 4 KiB apart,
+batch / out. With the same weights stored transposed (a column-major W), B's rows are contiguous and
+gemm.cpp reads them in place when the batch is at most `b_in_place_max_rows` rows (python -m ext), a
+thread's block of B fits in half of L2 and its rows are not a multiple of 4 KiB apart,
 else copies them into panels (a ragged last panel, part of a vector wide, is always packed). Each side's
 "values packed" is what the library counted (`torch.ops.ext.cpu_packed_values`) over one call, as a share of
 B's values: 100% when each is packed once, more where a panel is packed again for each row tile. So the gap

@@ -67,9 +67,6 @@ struct Microkernel {
   TileFn row_bias_unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
   TileFn row_bias_unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
   int row_variant(int64_t rows) const { return rows <= rows_of_variant[2] ? 2 : rows <= rows_of_variant[1] ? 1 : 0; }
-  TileFn tile_unit_row_stride(int64_t rows, int64_t cols) const {
-    return unit_row_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
-  }
   TileFn tile_unit_k_stride(int64_t rows, int64_t cols) const {
     return unit_k_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
   }
