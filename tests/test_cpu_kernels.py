@@ -132,6 +132,44 @@ def test_forward_and_backward_across_block_boundaries(path, dtype):
             assert_close(ops.linear_backward_bias(dy), column_sums(dy), m)
 
 
+def shallow_shapes(path, dtype):
+    """(rows, depth, columns) of products gemm.cpp runs as row panels of shallow tiles (both operands read in
+    place, depth up to max_shallow_depth): rows on each side of the shallow and the wide tile's and up to the
+    most that read B in place; columns a part of a vector, whole shallow tiles, one vector more, and one value
+    more; depths of 1, a 10-class head's, the deepest taken and one deeper (wide tiles again)."""
+    b = block_sizes(path, dtype)
+    shallow_mr, shallow_nr, lanes = b["shallow_mr"], b["shallow_nr"], b["lanes"]
+    rows = (1, shallow_mr - 1, shallow_mr, shallow_mr + 1, b["wide_mr"] + shallow_mr + 1, b["b_in_place_max_rows"])
+    columns = (lanes - 1, 2 * shallow_nr, 2 * shallow_nr + lanes, 3 * shallow_nr + lanes + 1)
+    depths = (1, 10, b["max_shallow_depth"], b["max_shallow_depth"] + 1)
+    return [(m, k, n) for m in rows for k in depths for n in columns if m > 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_shallow_product_in_row_panels_is_the_same_to_the_bit(path, dtype):
+    # dX = dY·W and a forward whose W is stored transposed (B = Wᵀ row-major) read both operands in place and, up
+    # to max_shallow_depth, run row panels of shallow tiles. The same products with the left operand
+    # column-major are packed and run the wide tiles: each element must get the same arithmetic, its bias,
+    # ReLU and any thread count included.
+    with cpu_path(path):
+        for seed, (m, k, n) in enumerate(shallow_shapes(path, dtype)):
+            a, b = make(m, k, dtype, "contiguous", seed), make(k, n, dtype, "contiguous", seed + 100)
+            a_column_major, bias = a.t().contiguous().t(), make(1, n, dtype, "contiguous", seed + 200)[0]
+            w_stored_transposed = b.t()  # n x k, column-major: its transpose is b, row-major
+            shape = f"M={m} K={k} N={n}"
+            products = [(lambda left: ops.linear_backward_input(left, b), None, False)]
+            products += [(lambda left, op=op, bias_=bias_: op(left, w_stored_transposed, bias_), bias_, relu)
+                         for op, relu in ((ops.linear, False), (ops.linear_relu, True)) for bias_ in (bias, None)]
+            for product, bias_, relu in products:
+                expected = product(a_column_major)
+                assert_close(expected, exact(a, b, bias_, relu=relu), k + (bias_ is not None))
+                for threads in (1, 2, 3):
+                    with num_threads(threads):
+                        assert torch.equal(product(a), expected), f"{shape}, {threads} threads"
+
+
+
 LAYOUTS = ["contiguous", "transposed", "strided"]
 
 
@@ -515,6 +553,10 @@ def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
         assert packed_by(lambda: ops.linear(torch.randn(tall, k), w_stored_transposed, None)) == (0, k * n)
         # dX = dY·W reads W in place; dW = dYᵀ·X packs dYᵀ once and reads X in place.
         assert packed_by(lambda: ops.linear_backward_input(dy, w)) == (0, 0)
+        # A shallow dX (a 10-class head's) too, in row panels; only the column past its last whole vector is
+        # copied into a panel, once (rows in whole wide tiles too, none of dY's packed for a ragged one).
+        head_dy, head_w = torch.randn(b["wide_mr"] * b["shallow_mr"], 10), torch.randn(10, 2 * b["shallow_nr"] + 1)
+        assert packed_by(lambda: ops.linear_backward_input(head_dy, head_w)) == (0, 10)
         assert packed_by(lambda: ops.linear_backward_weight(dy, x)) == (n * rows, 0)
         # Few rows and deep enough: Yᵀ = W·Xᵀ reads W in place and transposes only X into panels (Yᵀ's rows
         # whole panels of its tile, the narrow one, so that none is packed for its padding).

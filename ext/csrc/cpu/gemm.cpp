@@ -204,6 +204,18 @@ constexpr int64_t kMaxRowsForBInPlace = 128;
 // panels outermost, was slower (0.77).
 int64_t rows_outer_max_b_bytes() { return caches().l1d_bytes * 5 / 8; }
 
+// Up to this depth a product with both operands read in place (dX of a head with few classes)
+// runs its rows in panels of shallow tiles (Microkernel::shallow_row_panel), and on several
+// threads is split by rows (gemm). Measured on Zen 4 (processes alternating, 6-8 rounds, median
+// of the paired ratios of the time, panels / wide tiles): dX 128x256->10 0.96 on 1 thread and
+// 0.94 on 2, 128x512->10 0.88-0.90 and 0.91, 128x1000->10 0.89-0.93 and 0.82, 64x1000->10 0.92
+// and 0.71, 128x784->16 0.90-0.91 and 0.85, 128x500->16 0.91; the AVX2 path (3 x 3 vectors
+// against 6 x 2) 0.76-0.82 at K = 10, 0.92-0.96 at 16. Deeper, AVX-512 still gained (K = 20-32:
+// 0.94-0.99) but AVX2 lost (1.00-1.06, and 1.32 at 128x512->32, whose B rows 2 KiB apart share
+// L1 sets). On 2 threads in column slabs taken a panel at a time (ColumnChunks), each row panel
+// was one column panel wide: 128x1000->10 1.31x slower, hence the split by rows.
+constexpr int64_t kMaxShallowDepth = 16;
+
 // A row-major A is read in place, never packed: gemm_slab reads it so, and gemm splits
 // threads by columns for it (each slab then packs only its own part of B).
 inline bool reads_a_in_place(int64_t a_col_stride) { return a_col_stride == 1; }
@@ -421,6 +433,9 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // column panel's C in this order was slower (8.1 us).
   const bool rows_outer = write_c_by_rows ||
                           (read_a_in_place && read_b_in_place && m1 - m0 <= MC && b_block_bytes <= rows_outer_max_b_bytes());
+  // A shallow product read in place (dX of a 10-class head) runs its rows in panels across
+  // all its columns, of tiles smaller than the wide tile (kMaxShallowDepth).
+  const bool shallow = read_a_in_place && read_b_in_place && !row_bias && K <= kMaxShallowDepth;
   T* packed_b = b_supplied ? const_cast<T*>(prepacked_b)
                            : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
@@ -464,9 +479,9 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             tile.b_k_stride = NR;
           }
         };
-        // The tile of rows ir.. of the block at the current B micro-panel.
-        auto run_tile = [&](int64_t ir, int64_t jr, const T* next_c, int64_t next_rows) {
-          tile.rows = std::min(MR, mc - ir);
+        // The tile of rows ir.. (up to row_end) of the block at the current B micro-panel.
+        auto run_tile = [&](int64_t ir, int64_t jr, int64_t row_end, const T* next_c, int64_t next_rows) {
+          tile.rows = std::min(MR, row_end - ir);
           tile.c = C + (ic + ir) * ldc + jc + jr;
           if (row_bias) tile.row_bias = pc == 0 ? row_bias + ic + ir : nullptr;
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
@@ -490,11 +505,37 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             run(true);
           }
         };
-        if (rows_outer) {
-          for (int64_t ir = 0; ir < mc; ir += MR)
+        if (rows_outer || shallow) {
+          int64_t panel_rows_end = 0;  // rows [0, panel_rows_end) run in shallow row panels
+          if (shallow) {
+            // Row panels of uk.shallow_rows across the whole vectors of columns, one call each;
+            // then the columns past the last whole vector, if any, in wide tiles over one packed
+            // panel (the tiles of a part-vector go through a local copy). Rows left over, fewer
+            // than a panel, run as below.
+            const int64_t R = uk.shallow_rows, whole_columns = nc / uk.lanes * uk.lanes;
+            panel_rows_end = mc / R * R;
+            if (whole_columns > 0) {
+              tile.cols = whole_columns;
+              tile.a_row_stride = a_rs;
+              tile.b = b_block;
+              tile.b_k_stride = b_rs;
+              tile.bias = pc == 0 && bias ? bias + jc : nullptr;
+              for (int64_t ir = 0; ir < panel_rows_end; ir += R) {
+                tile.rows = R;
+                tile.a = a_block + ir * a_rs;
+                tile.c = C + (ic + ir) * ldc + jc;
+                uk.shallow_row_panel(tile);
+              }
+            }
+            if (whole_columns < nc) {
+              b_panel(whole_columns, nc - whole_columns);
+              for (int64_t ir = 0; ir < panel_rows_end; ir += MR) run_tile(ir, whole_columns, panel_rows_end, nullptr, 0);
+            }
+          }
+          for (int64_t ir = panel_rows_end; ir < mc; ir += MR)
             for (int64_t jr = 0; jr < nc; jr += NR) {
               b_panel(jr, std::min(NR, nc - jr));
-              run_tile(ir, jr, nullptr, 0);
+              run_tile(ir, jr, mc, nullptr, 0);
             }
         } else {
           // A B packed a micro-panel at a time: each row tile also asks for its share of the next
@@ -522,7 +563,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
               // 2794-2799), 1024^3 unchanged or a little faster (dX 11768 ->
               // 11653 us), dW 128x784->256 and dX 128x784->256 unchanged.
               const T* next_c = ir + MR < mc && tile.accumulate ? C + (ic + ir + MR) * ldc + jc + jr : nullptr;
-              run_tile(ir, jr, next_c, std::min(MR, mc - ir - MR));
+              run_tile(ir, jr, mc, next_c, std::min(MR, mc - ir - MR));
             }
           }
         }
@@ -630,10 +671,14 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const bool read_a_in_place = reads_a_in_place(a_cs);
   // A small product (under kWholeSlabsMaxFlops) whose A and B are both read in place, and whose B
   // is small enough for its row tiles to run outermost (dX of a 10-class head, K = 10), is split
-  // by rows: nothing is packed either way, and each thread writes rows of C of its own.
+  // by rows: nothing is packed either way, and each thread writes rows of C of its own. So is a
+  // shallow one whose rows per thread read B in place: its row panels span all the columns
+  // (kMaxShallowDepth).
   const bool whole_slabs = 2.0 * M * N * K < kWholeSlabsMaxFlops;
-  const bool rows_unpacked = whole_slabs && read_a_in_place && b_cs == 1 && m_panels >= threads &&
-                             K * N * static_cast<int64_t>(sizeof(T)) <= rows_outer_max_b_bytes();
+  const bool shallow_rows = K <= kMaxShallowDepth && (M + threads - 1) / threads <= kMaxRowsForBInPlace;
+  const bool rows_unpacked = read_a_in_place && b_cs == 1 && m_panels >= threads &&
+                             ((whole_slabs && K * N * static_cast<int64_t>(sizeof(T)) <= rows_outer_max_b_bytes()) ||
+                              shallow_rows);
   const bool split_columns =
       !rows_unpacked && n_panels >= threads && (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
@@ -824,7 +869,8 @@ BlockSizes block_sizes(CpuPath path) {
           k.many_rows.mr, k.many_rows.nr,    k.wide.lanes,    kKC<T>,
           kMaxSingleKBlock<T>, block_rows(path), kNC,          single_block_bytes(path),
           kManyRowsMinRows, kMaxRowsForBInPlace, rows_outer_max_b_bytes(), transposed_min_rows<T>(path),
-          kTransposedCCost, caches().l2_bytes, caches().l1d_bytes};
+          kTransposedCCost, kMaxShallowDepth, k.wide.shallow_rows, k.wide.shallow_nr,
+          caches().l2_bytes,  caches().l1d_bytes};
 }
 template BlockSizes block_sizes<float>(CpuPath);
 

@@ -162,6 +162,8 @@ struct BlockSizes {
   int64_t rows_outer_max_b_bytes;      // both operands in place and B's block this small: row tiles outermost
   int64_t transposed_min_rows;         // C = A·Bᵀ-view computed as Cᵀ from this many rows of C, when
   int64_t transposed_c_cost;           // K·(N − M) > transposed_c_cost·M·N (gemm.cpp: computes_transposed)
+  int64_t max_shallow_depth;           // up to this K, both operands in place: row panels of shallow tiles
+  int64_t shallow_mr, shallow_nr;      // the wide tile's shallow tile (Microkernel::shallow_row_panel)
   int64_t l2_bytes;                    // L2 per core as detected (gemm.cpp: caches); MC and the rest follow
   int64_t l1d_bytes;                   // L1d per core as detected
 };

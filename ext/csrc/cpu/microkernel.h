@@ -74,6 +74,12 @@ struct Microkernel {
     return (unit_row_stride ? indexed_b_unit_row_stride_tiles : indexed_b_unit_k_stride_tiles)[row_variant(rows)]
                                                                                                 [(cols - 1) / lanes];
   }
+  // A shallow product's row panel (K of a few values: dX of a 10-class head): shallow_rows
+  // rows of C across all of t.cols, a whole number of vectors, in tiles of shallow_rows x
+  // two vectors, A and B read in place (unit k stride, b_k_stride B's row stride). One call
+  // per panel rather than per tile: at K = 10 the driver's work per tile is a tenth of it.
+  int64_t shallow_rows, shallow_nr;
+  TileFn shallow_row_panel;
   // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
   void (*pack_a)(const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst);
   // Packs B[kc x cols] into NR-column panels (k-major inside a panel), zero-padded.
