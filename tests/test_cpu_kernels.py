@@ -132,6 +132,13 @@ def test_forward_and_backward_across_block_boundaries(path, dtype):
             assert_close(ops.linear_backward_bias(dy), column_sums(dy), m)
 
 
+def assert_equal_on_1_to_3_threads(product, expected, where):
+    """product() is expected to the bit on 1, 2 and 3 threads (each cut of the work its own)."""
+    for threads in (1, 2, 3):
+        with num_threads(threads):
+            assert torch.equal(product(), expected), f"{where}, {threads} threads"
+
+
 def shallow_shapes(path, dtype):
     """(rows, depth, columns) of products gemm.cpp runs as row panels of shallow tiles (both operands read in
     place, depth up to max_shallow_depth): rows on each side of the shallow and the wide tile's and up to the
@@ -164,9 +171,7 @@ def test_a_shallow_product_in_row_panels_is_the_same_to_the_bit(path, dtype):
             for product, bias_, relu in products:
                 expected = product(a_column_major)
                 assert_close(expected, exact(a, b, bias_, relu=relu), k + (bias_ is not None))
-                for threads in (1, 2, 3):
-                    with num_threads(threads):
-                        assert torch.equal(product(a), expected), f"{shape}, {threads} threads"
+                assert_equal_on_1_to_3_threads(lambda: product(a), expected, shape)
 
 
 
@@ -234,9 +239,7 @@ def test_a_forward_computed_as_its_transpose_is_the_same_to_the_bit(path, dtype)
                 for b in (bias, None):
                     expected = op(x_column_major, w, b)
                     assert_close(expected, exact(x, w.t(), b, relu=relu), k + 1)
-                    for threads in (1, 2, 3):
-                        with num_threads(threads):
-                            assert torch.equal(op(x, w, b), expected), f"{shape}, {threads} threads"
+                    assert_equal_on_1_to_3_threads(lambda: op(x, w, b), expected, shape)
 
 
 @pytest.mark.parametrize("path", PATHS)
