@@ -216,6 +216,15 @@ int64_t rows_outer_max_b_bytes() { return caches().l1d_bytes * 5 / 8; }
 // was one column panel wide: 128x1000->10 1.31x slower, hence the split by rows.
 constexpr int64_t kMaxShallowDepth = 16;
 
+// Read in place, B's block is re-read from its scattered rows by every row tile, so it
+// must stay in L2: half of L2 at most, and no row stride of a whole 4 KiB page, which
+// maps every row to the same few cache sets (dX of 128x2048->1000 read W in place ran
+// 2x slower).
+template <typename T>
+bool b_block_stays_in_l2(int64_t block_bytes, int64_t b_rs) {
+  return block_bytes <= caches().l2_bytes / 2 && b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
+}
+
 // A row-major A is read in place, never packed: gemm_slab reads it so, and gemm splits
 // threads by columns for it (each slab then packs only its own part of B).
 inline bool reads_a_in_place(int64_t a_col_stride) { return a_col_stride == 1; }
@@ -395,16 +404,11 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // contiguous layout pays for itself. Only ragged last panels, whose padding
   // must be readable, are packed.
   const bool read_a_in_place = reads_a_in_place(a_cs);
-  // Read in place, B's block is re-read from its scattered rows by every row
-  // tile, so it must stay in L2: half of L2 at most, and no row stride of a
-  // whole 4 KiB page, which maps every row to the same few cache sets (dX of
-  // 128x2048->1000 read W in place ran 2x slower).
   const int64_t b_block_bytes = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T));
-  const bool b_block_stays_in_l2 = b_block_bytes <= caches().l2_bytes / 2 &&
-                                   b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
   // B packed or indexed by the caller (the convolution): read as it is.
   const bool b_supplied = prepacked_b || indexed_b;
-  const bool read_b_in_place = !b_supplied && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace && b_block_stays_in_l2;
+  const bool read_b_in_place = !b_supplied && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace &&
+                               b_block_stays_in_l2<T>(b_block_bytes, b_rs);
   // C's rows a page or more apart, in a C larger than L2 (dW of a 2048-input head,
   // 1000 x 2048, from a batch of 128): down a column panel every row of a tile is
   // on another page, and C is written in 256-byte strips a thousand pages tall. If
@@ -673,11 +677,14 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // is small enough for its row tiles to run outermost (dX of a 10-class head, K = 10), is split
   // by rows: nothing is packed either way, and each thread writes rows of C of its own. So is a
   // shallow one whose rows per thread read B in place: its row panels span all the columns
-  // (kMaxShallowDepth).
+  // (kMaxShallowDepth). Where B is packed (dX 128x2048->10: W's rows 8 KiB apart), each row
+  // slab would pack all of it: 1.2x slower on 2 threads than column slabs.
   const bool whole_slabs = 2.0 * M * N * K < kWholeSlabsMaxFlops;
-  const bool shallow_rows = K <= kMaxShallowDepth && (M + threads - 1) / threads <= kMaxRowsForBInPlace;
+  const int64_t b_bytes = K * N * static_cast<int64_t>(sizeof(T));
+  const bool shallow_rows = K <= kMaxShallowDepth && (M + threads - 1) / threads <= kMaxRowsForBInPlace &&
+                            b_block_stays_in_l2<T>(b_bytes, b_rs);
   const bool rows_unpacked = read_a_in_place && b_cs == 1 && m_panels >= threads &&
-                             ((whole_slabs && K * N * static_cast<int64_t>(sizeof(T)) <= rows_outer_max_b_bytes()) ||
+                             ((whole_slabs && b_bytes <= rows_outer_max_b_bytes()) ||
                               shallow_rows);
   const bool split_columns =
       !rows_unpacked && n_panels >= threads && (M <= N || m_panels < threads || read_a_in_place);
