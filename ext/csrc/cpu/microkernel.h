@@ -75,9 +75,9 @@ struct Microkernel {
                                                                                                 [(cols - 1) / lanes];
   }
   // A shallow product's row panel (K of a few values: dX of a 10-class head): shallow_rows
-  // rows of C across all of t.cols, a whole number of vectors, in tiles of shallow_rows x
-  // two vectors, A and B read in place (unit k stride, b_k_stride B's row stride). One call
-  // per panel rather than per tile: at K = 10 the driver's work per tile is a tenth of it.
+  // rows of C across all of t.cols, a whole number of vectors, in tiles shallow_nr wide (then
+  // one vector), A and B read in place (unit k stride, b_k_stride B's row stride). One call
+  // a panel rather than a tile: at K = 10 the driver's work per tile cost as much again.
   int64_t shallow_rows, shallow_nr;
   TileFn shallow_row_panel;
   // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
