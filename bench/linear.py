@@ -297,6 +297,11 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def cuda_shape_list(named, shapes):
+    """The CUDA tables' shapes: those named alone, else the CPU's and 4096^3 (issue 24's goals)."""
+    return named or shapes + CUDA_EXTRA_SHAPES
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.linear", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=parse_threads, default="all,1",
@@ -330,6 +335,7 @@ def main(argv=None) -> None:
             parser.error((str(error).splitlines() or [f"cannot run the {args.cpu_path} path"])[0])
     malloc = memory.set_up(keep=not args.malloc_defaults)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
+    cuda_shapes = cuda_shape_list(args.shapes, shapes)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
 
@@ -386,7 +392,7 @@ def against_torch(args, shapes, min_run_time_s, rounds, markdown: list[str], tab
             torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # both sides: ext follows torch's flag
             try:
                 rows = []
-                for shape in shapes + CUDA_EXTRA_SHAPES:
+                for shape in cuda_shapes:
                     shape_rows = bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products, dtype)
                     print(progress_line(shape_rows), file=sys.stderr, flush=True)
                     rows += shape_rows

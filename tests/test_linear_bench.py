@@ -283,6 +283,11 @@ def test_cuda_only_runs_no_cpu_table(tmp_path, capsys):
         assert "CUDA: skipped (torch.cuda.is_available() is False" in out
 
 
+def test_cuda_tables_time_the_named_shapes_alone():
+    assert bench_linear.cuda_shape_list([(8, 12, 5)], bench_linear.SHAPES) == [(8, 12, 5)]
+    assert bench_linear.cuda_shape_list(None, bench_linear.QUICK_SHAPES)[-1] == (4096, 4096, 4096)
+
+
 def cuda_row(pass_name, ratios, shape=(4096, 4096, 4096)):
     ratio = sorted(ratios)[len(ratios) // 2]
     return bench_linear.Row("cuda", "-", shape, pass_name, ratio * 1e-3, 1e-3, None, tuple(ratios))
