@@ -210,8 +210,9 @@ def test_misaligned_or_strided_operands_fall_back_to_scalar_loads(tmp_path, layo
 
 # ---- split-K: products whose output tiles do not fill the GPU (split_k.cuh) ----
 
-# (shape, splits on an H100's 132 SMs): the MLP's first layer, an awkward one, a long thin one.
-SPLIT_SHAPES = [((128, 256, 784), 3), ((37, 61, 1000), 3), ((5, 7, 2049), 8)]
+# (shape, splits on an H100's 132 SMs on the FMA kernel, on the tensor cores): the MLP's first
+# layer, an awkward one, a long thin one. The FMA kernel's splits go 64 deep, the tensor cores' 256.
+SPLIT_SHAPES = [((128, 256, 784), (9, 3)), ((37, 61, 1000), (11, 3)), ((5, 7, 2049), (13, 8))]
 
 
 @pytest.mark.parametrize("shape,splits", SPLIT_SHAPES, ids=[f"{'x'.join(map(str, s))}" for s, _ in SPLIT_SHAPES])
@@ -222,22 +223,25 @@ def test_small_outputs_split_k_and_stay_exact(tmp_path, op, dtype_name, shape, s
     shape = {"backward_input": (M, K, N), "backward_weight": (K, M, N)}.get(op, shape)  # reduce over the long one
     result, output, expected = run_case(tmp_path, op, dtype_name, shape)
     assert_matches(result, output, expected)
-    assert split_k_of(result.stdout)[0] == splits
+    assert split_k_of(result.stdout)[0] == splits[dtype_name in TENSOR_CORE_DTYPES]
 
 
 @pytest.mark.parametrize("sm_count", [1, 8, 132])
-def test_split_k_rule(tmp_path, sm_count):
+@pytest.mark.parametrize("dtype_name,min_depth", [("float32", 64), ("bfloat16", 256)])
+def test_split_k_rule(tmp_path, sm_count, dtype_name, min_depth):
     # Split exactly when the output tiles leave at least half the SMs idle and K holds two splits
-    # of 256; every split a multiple of 32 and at least 256 deep; at most 16; K covered exactly.
+    # of the kernel's least depth; every split a multiple of 32 and at least that deep; at most 16;
+    # K covered exactly.
     env = {"EMU_SM_COUNT": str(sm_count), "PATH": "/usr/bin:/bin"}
-    for M, N, K in [(128, 256, 784), (1, 1, 511), (1, 1, 512), (300, 300, 1024), (5, 3, 2600)]:
-        result, output, expected = run_case(tmp_path, "linear", "float32", (M, N, K), env=env)
+    for M, N, K in [(128, 256, 784), (1, 1, 127), (1, 1, 128), (1, 1, 511), (1, 1, 512), (300, 300, 1024),
+                    (5, 3, 2600)]:
+        result, output, expected = run_case(tmp_path, "linear", dtype_name, (M, N, K), env=env)
         assert_matches(result, output, expected)
         splits, depth = split_k_of(result.stdout)
         tiles = -(-M // 128) * -(-N // 128)
-        assert (splits > 1) == (sm_count // tiles >= 2 and K >= 512), (M, N, K)
+        assert (splits > 1) == (sm_count // tiles >= 2 and K >= 2 * min_depth), (M, N, K)
         if splits > 1:
-            assert depth >= 256 and depth % 32 == 0 and splits <= min(16, sm_count // tiles)
+            assert depth >= min_depth and depth % 32 == 0 and splits <= min(16, sm_count // tiles)
             assert (splits - 1) * depth < K <= splits * depth
 
 

@@ -117,9 +117,7 @@ void run_gemm(const ext::cuda::GemmParams<T>& params) {
     partials.resize(size_t(elements));  // exactly sized: AddressSanitizer sees an overrun
     return partials.data();
   };
-  const int64_t tiles = ((params.a.outer_size + ext::cuda::kBlockM - 1) / ext::cuda::kBlockM) *
-                        ((params.b.outer_size + ext::cuda::kBlockN - 1) / ext::cuda::kBlockN);
-  const ext::cuda::SplitK split = ext::cuda::choose_split_k(tiles, params.K, emu::sm_count());
+  const ext::cuda::SplitK split = ext::cuda::choose_gemm_split(params, g_allow_tf32, emu::sm_count());
   std::printf("split_k splits=%d k_split=%lld\n", split.splits, static_cast<long long>(split.k_split));
   ext::cuda::launch_gemm_kernel<EmulatedDevice>(params, g_allow_tf32, emu::sm_count(), allocate);
 }

@@ -376,7 +376,7 @@ void launch_conv_backward_weight(const ConvShape& s, const T* grad_output, const
   ConvGemmParams<T> p{s, {}, input, grad_output, s.out_channels, patch, int64_t(s.batch) * s.out_h * s.out_w,
                       nullptr, grad_weight};
   const int64_t tiles = ((p.M + kBlockM - 1) / kBlockM) * ((p.N + kBlockN - 1) / kBlockN);
-  const SplitK split = choose_split_k(tiles, p.K, sm_count);
+  const SplitK split = choose_split_k(tiles, p.K, sm_count, kMinSplitDepthFma);  // conv runs on the FMA units
   if (split.splits > 1) {
     p.k_split = split.k_split;
     p.partial = allocate_partials(int64_t(split.splits) * p.M * p.N);

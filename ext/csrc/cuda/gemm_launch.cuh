@@ -40,15 +40,24 @@ void launch_tensor_core_gemm(const GemmParams<T>& params, int splits) {
   }
 }
 
+// The split of K (split_k.cuh) for this product on `sm_count` SMs: by the least depth of the
+// kernel that will run it.
+template <typename T>
+SplitK choose_gemm_split(const GemmParams<T>& params, bool allow_tf32, int sm_count) {
+  const int64_t M = params.a.outer_size, N = params.b.outer_size;
+  const int64_t tiles = ((M + kBlockM - 1) / kBlockM) * ((N + kBlockN - 1) / kBlockN);  // both kernels' tile
+  static_assert(kBlockM == tc::kBlockM && kBlockN == tc::kBlockN);
+  const int64_t min_depth = on_tensor_cores<T>(allow_tf32) ? kMinSplitDepthTensorCores : kMinSplitDepthFma;
+  return choose_split_k(tiles, params.K, sm_count, min_depth);
+}
+
 // C = A·B (+ bias, ReLU) on `sm_count` SMs: split-K where the tiles do not fill them
 // (split_k.cuh), with partials from allocate_partials(elements), a buffer of acc_t<T> that must
 // stay valid until the launched kernels have run.
 template <typename Device, typename T, typename Allocate>
 void launch_gemm_kernel(GemmParams<T> params, bool allow_tf32, int sm_count, Allocate allocate_partials) {
   const int64_t M = params.a.outer_size, N = params.b.outer_size;
-  const int64_t tiles = ((M + kBlockM - 1) / kBlockM) * ((N + kBlockN - 1) / kBlockN);  // both kernels' tile
-  static_assert(kBlockM == tc::kBlockM && kBlockN == tc::kBlockN);
-  const SplitK split = choose_split_k(tiles, params.K, sm_count);
+  const SplitK split = choose_gemm_split(params, allow_tf32, sm_count);
   SplitKReduceParams<T> reduce{nullptr, split.splits, M, N, params.bias, params.relu, params.c, params.ldc};
   if (split.splits > 1) {
     params.k_split = split.k_split;

@@ -3,19 +3,26 @@
 // float32 (float64) partial product, and one more kernel adds the S partials in split order,
 // then the bias, ReLU and the rounding to the output type: deterministic, no atomics.
 //
-// The rule (choose_split_k), for T tiles of 128 x 128 and an SM count P:
-//   - no split if T >= P, or if K < 2 x 256: every split keeps at least kMinSplitDepth of K,
-//     enough K tiles to run the pipeline well and to outweigh the partials' extra traffic
-//     (S x M x N x 4 bytes written and read again) and the second launch;
-//   - else S = min(P / T, K / 256, 16), each split's depth K / S rounded up to 32 (a K tile of
+// The rule (choose_split_k), for T tiles of 128 x 128, an SM count P and a least depth D:
+//   - no split if T >= P, or if K < 2 x D: every split keeps at least D of K, enough to
+//     outweigh the partials' extra traffic (S x M x N x 4 bytes written and read again) and
+//     the second launch;
+//   - else S = min(P / T, K / D, 16), each split's depth K / S rounded up to 32 (a K tile of
 //     every kernel, and 16-byte aligned offsets for every dtype's wide loads).
+// D is the kernel's: 64 for the FMA kernels (gemm.cuh, conv.cuh), 256 for the tensor cores'.
 #pragma once
 
 #include "kernel_common.cuh"
 
 namespace ext::cuda {
 
-constexpr int64_t kMinSplitDepth = 256;
+// A 128 x 128 x 64 FMA block is 2.1 MFLOP, about 4 us on one H100 SM (0.51 TFLOP/s): as long
+// as a launch. On an H100, 64 took float32 forwards of 128x784->256 from 0.042 ms (3 splits of
+// 288) to 0.022-0.025 (9 of 96) and 128x2048->1000 from 0.043 to 0.033; no timed shape got
+// slower (bench/README.md, "On a GPU"). A tensor-core block runs the same K several times
+// faster, so its least depth stays at 256, the one timed: smaller ones were not.
+constexpr int64_t kMinSplitDepthFma = 64;
+constexpr int64_t kMinSplitDepthTensorCores = 256;
 constexpr int kMaxSplits = 16;         // bounds the partials' memory and the reduction's reads
 constexpr int64_t kSplitGranule = 32;
 
@@ -24,10 +31,10 @@ struct SplitK {
   int64_t k_split;  // K per split (0 when not split)
 };
 
-inline SplitK choose_split_k(int64_t tiles, int64_t K, int sm_count) {
-  if (tiles >= sm_count || K < 2 * kMinSplitDepth) return {1, 0};
+inline SplitK choose_split_k(int64_t tiles, int64_t K, int sm_count, int64_t min_depth) {
+  if (tiles >= sm_count || K < 2 * min_depth) return {1, 0};
   int64_t splits = sm_count / tiles;
-  if (K / kMinSplitDepth < splits) splits = K / kMinSplitDepth;
+  if (K / min_depth < splits) splits = K / min_depth;
   if (kMaxSplits < splits) splits = kMaxSplits;
   if (splits < 2) return {1, 0};
   const int64_t depth = ((K + splits - 1) / splits + kSplitGranule - 1) / kSplitGranule * kSplitGranule;
