@@ -335,7 +335,6 @@ def main(argv=None) -> None:
             parser.error((str(error).splitlines() or [f"cannot run the {args.cpu_path} path"])[0])
     malloc = memory.set_up(keep=not args.malloc_defaults)
     shapes = args.shapes or (QUICK_SHAPES if args.quick else SHAPES)
-    cuda_shapes = cuda_shape_list(args.shapes, shapes)
     min_run_time_s = args.min_run_time or (0.05 if args.quick else 0.2)
     rounds = args.rounds or (2 if args.quick else 5)
 
@@ -392,7 +391,7 @@ def against_torch(args, shapes, min_run_time_s, rounds, markdown: list[str], tab
             torch.backends.cuda.matmul.allow_tf32 = allow_tf32  # both sides: ext follows torch's flag
             try:
                 rows = []
-                for shape in cuda_shapes:
+                for shape in cuda_shape_list(args.shapes, shapes):
                     shape_rows = bench_shape(shape, "cuda", "-", min_run_time_s, rounds, args.products, dtype)
                     print(progress_line(shape_rows), file=sys.stderr, flush=True)
                     rows += shape_rows

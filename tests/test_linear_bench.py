@@ -283,8 +283,22 @@ def test_cuda_only_runs_no_cpu_table(tmp_path, capsys):
         assert "CUDA: skipped (torch.cuda.is_available() is False" in out
 
 
-def test_cuda_tables_time_the_named_shapes_alone():
-    assert bench_linear.cuda_shape_list([(8, 12, 5)], bench_linear.SHAPES) == [(8, 12, 5)]
+def test_cuda_tables_time_the_named_shapes_alone(monkeypatch, capsys):
+    # The CUDA tables' loop, run here with a stand-in GPU: each precision times the shapes named, and
+    # 4096^3 (issue 24's goals) only where none are named.
+    timed = []
+
+    def fake_bench_shape(shape, device, threads_label, min_run_time_s, rounds, products, dtype):
+        timed.append((shape, dtype))
+        return [bench_linear.Row(device, threads_label, shape, p, 2e-3, 1e-3, None, (2.0, 2.0)) for p in ("forward",)]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Stand-in GPU")
+    monkeypatch.setattr(bench_linear, "bench_shape", fake_bench_shape)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    bench_linear.main(["--cuda-only", "--shapes", "8x12->5", "--min-run-time", "0.001", "--rounds", "1"])
+    assert timed == [((8, 12, 5), dtype) for dtype, _ in bench_linear.CUDA_PRECISIONS.values()]
+    assert "== CUDA, Stand-in GPU, bfloat16 (vs cuBLAS) ==" in capsys.readouterr().out
     assert bench_linear.cuda_shape_list(None, bench_linear.QUICK_SHAPES)[-1] == (4096, 4096, 4096)
 
 
