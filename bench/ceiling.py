@@ -20,7 +20,7 @@ else copies them into panels (a ragged last panel, part of a vector wide, is alw
 B's values: 100% when each is packed once, more where a panel is packed again for each row tile. So the gap
 between the tile alone and a side with nothing packed is the product's own (its ragged last panel, its call),
 the gap between the two sides the transposition's, and the gap between 1 and 2 threads the split's.
-bench.linear's method: both sides in alternating torch.utils.benchmark rounds in one process, each side's time
+bench.linear's method: both sides in alternating rounds in one process, each side's time
 the median of its round medians; held/transposed above 1 when transposing costs time, with its range over the
 rounds. The FMA peak is the highest of readings taken before the first shape and after each one (bench.linear).
 """

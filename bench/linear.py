@@ -1,15 +1,15 @@
 """Kernel benchmark: `ext.linear` against `torch.nn.functional.linear`.
 
 For each shape (batch x in -> out) it times the forward, the backward and both
-together (float32, bias on, input and weight requiring grad) with
-torch.utils.benchmark, alternating torch and ext measurements in one process so
-that a busy moment on the machine hits both. It prints times, GFLOP/s, the ratio
-torch/ext (above 1: ext is faster) with its lowest and highest value over the
-rounds (how far one run on a shared machine can be trusted), and ext's share of
-this machine's FMA peak, measured by the extension itself (the highest of the
-readings taken before the first shape and after each); then geometric means of
-the ratios, again with their range over the rounds. Each shape's ratios print
-to stderr as it finishes; each thread count's tables print once all shapes are done.
+together (float32, bias on, input and weight requiring grad), alternating torch
+and ext measurements in one process so that a busy moment on the machine hits
+both. It prints times, GFLOP/s, the ratio torch/ext (above 1: ext is faster)
+with its lowest and highest value over the rounds (how far one run on a shared
+machine can be trusted), and ext's share of this machine's FMA peak, measured by
+the extension itself (the highest of the readings taken before the first shape
+and after each); then geometric means of the ratios, again with their range over
+the rounds. Each shape's ratios print to stderr as it finishes; each thread
+count's tables print once all shapes are done.
 
 With --products it times instead each product of a training step alone, without
 autograd: the forward Y = X·Wᵀ + b (ext.linear), dX = dY·W, dW = dYᵀ·X and db = the
@@ -26,23 +26,15 @@ Example:
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-
-# torch.utils.benchmark imports cpp_extension, which on a machine with nvcc and no GPU warns "No CUDA runtime
-# is found" as it loads; the benchmark compiles nothing, so that warning is only noise. Quiet for the import.
-_cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
-_level = _cpp_extension_log.level
-_cpp_extension_log.setLevel(logging.ERROR)
-from torch.utils import benchmark  # noqa: E402
-_cpp_extension_log.setLevel(_level)
 
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,23 +134,29 @@ def make_product_statements(x, w, b, dy):
     }
 
 
+def synchronized_clock() -> float:
+    """The time once the GPU has run what was queued: a block of calls is timed to its last kernel's end."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def time_interleaved(statements: dict, min_run_time_s: float,
                      rounds: int) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
     """Seconds per call of each statement, one list of block times per round, measured in alternating rounds;
-    and each statement's page faults per timed call, in its median round."""
+    and each statement's page faults per call, in its median round. Blocks as the peers' (peers.block_times):
+    each measurement lasts about min_run_time_s. (torch.utils.benchmark's blocked_autorange, used before,
+    grew its blocks tenfold at a time and measured each statement up to ten times as long.)"""
+    clock = synchronized_clock if torch.cuda.is_available() else time.perf_counter
     samples = {name: [] for name in statements}
     faults_per_call = {name: [] for name in statements}
     for fn in statements.values():
         fn()  # first touches of memory, before any call is counted
     for _ in range(rounds):
         for name, fn in statements.items():
-            # Timer runs on 1 thread unless told otherwise.
-            timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
             faults_before = memory.minor_page_faults()
-            measurement = timer.blocked_autorange(min_run_time=min_run_time_s)
-            calls = measurement.number_per_run * len(measurement.raw_times)  # and a few to size the blocks
+            times, calls = peers.block_times(fn, min_run_time_s, clock)
             faults_per_call[name].append((memory.minor_page_faults() - faults_before) / calls)
-            samples[name].append(measurement.times)
+            samples[name].append(times)
     return samples, {name: statistics.median(faults) for name, faults in faults_per_call.items()}
 
 

@@ -2,7 +2,7 @@
 
     python -m bench.loss [--shapes 128x10,256x1000] [--threads 2,1] [--markdown FILE]
 
-bench.linear's method: both sides in alternating torch.utils.benchmark rounds in one process, each side's time
+bench.linear's method: both sides in alternating rounds in one process, each side's time
 the median of its round medians, torch/ext above 1 when ours is faster, with its range over the rounds.
 Logits are float32 (batch x classes) requiring grad, targets random class indices.
 """

@@ -57,28 +57,31 @@ def gemm_dims(shape, product):
 
 # ---- the worker side: one library, timing what the parent asks, in its own process
 
-def block_times(call, min_run_time_s):
-    """Seconds per call, one value per block of calls, for about min_run_time_s after two warm calls."""
+def block_times(call, min_run_time_s, clock=time.perf_counter):
+    """Seconds per call, one value per block of calls, for about min_run_time_s after two warm calls; and the
+    calls made in all. `clock` reads the time (bench.linear's waits for the GPU first)."""
     call()
     call()
-    number = 1
+    number, calls = 1, 2
     while True:  # calls per block: enough for BLOCK_S, so the timer's resolution does not matter
-        start = time.perf_counter()
+        start = clock()
         for _ in range(number):
             call()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
+        calls += number
         if elapsed >= BLOCK_S:
             break
         number *= 2
     times, total = [elapsed / number], elapsed
     while total < min_run_time_s:
-        start = time.perf_counter()
+        start = clock()
         for _ in range(number):
             call()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
+        calls += number
         times.append(elapsed / number)
         total += elapsed
-    return times
+    return times, calls
 
 
 def inputs(shape):
@@ -168,7 +171,7 @@ class Worker:
         shape = tuple(request["shape"])
         if shape not in self.calls:
             self.calls = {shape: calls(self.library, shape)}
-        return {"seconds": block_times(self.calls[shape][request["product"]], request["min_run_time"])}
+        return {"seconds": block_times(self.calls[shape][request["product"]], request["min_run_time"])[0]}
 
 
 def worker_main(library):

@@ -14,8 +14,9 @@
 #               CHECK_CUDA=0, the build 53 s of it, before the ncu steps were added)
 #   CHECK_CUDA=0  skip .ci/check_cuda.sh (static, needs no GPU: run it beforehand where device time is free)
 #   STEP_TIMEOUT  seconds after which a step is stopped and reported failed (default: none)
-#               (on an H100 with 16 host CPUs, the whole run but the build takes about 8 minutes:
-#               bench.linear about 75 s a table, three tables; bench.conv about 100 s a table, two)
+#               (on an H100 with 16 host CPUs, 2026-11-28: bench.linear about 75 s a table, three tables;
+#               bench.conv about 100 s a table, two. Both timed with torch.utils.benchmark then, whose
+#               blocks grew tenfold at a time; their own blocks since halved a CPU run, not yet timed on a GPU)
 # Each step's whole output goes to REPORT's sibling *_logs.txt; the report keeps its tail.
 #
 # A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
