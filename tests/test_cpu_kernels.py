@@ -149,7 +149,7 @@ def shallow_shapes(path, dtype):
     rows = (1, shallow_mr - 1, shallow_mr, shallow_mr + 1, b["wide_mr"] + shallow_mr + 1, b["b_in_place_max_rows"])
     columns = (lanes - 1, 2 * shallow_nr, 2 * shallow_nr + lanes, 3 * shallow_nr + lanes + 1)
     depths = (1, 10, b["max_shallow_depth"], b["max_shallow_depth"] + 1)
-    return [(m, k, n) for m in rows for k in depths for n in columns if m > 0]
+    return [(m, k, n) for m in rows for k in depths for n in columns]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -172,7 +172,6 @@ def test_a_shallow_product_in_row_panels_is_the_same_to_the_bit(path, dtype):
                 expected = product(a_column_major)
                 assert_close(expected, exact(a, b, bias_, relu=relu), k + (bias_ is not None))
                 assert_equal_on_1_to_3_threads(lambda: product(a), expected, shape)
-
 
 
 LAYOUTS = ["contiguous", "transposed", "strided"]

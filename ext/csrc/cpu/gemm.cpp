@@ -684,8 +684,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   const bool shallow_rows = K <= kMaxShallowDepth && (M + threads - 1) / threads <= kMaxRowsForBInPlace &&
                             b_block_stays_in_l2<T>(b_bytes, b_rs);
   const bool rows_unpacked = read_a_in_place && b_cs == 1 && m_panels >= threads &&
-                             ((whole_slabs && b_bytes <= rows_outer_max_b_bytes()) ||
-                              shallow_rows);
+                             ((whole_slabs && b_bytes <= rows_outer_max_b_bytes()) || shallow_rows);
   const bool split_columns =
       !rows_unpacked && n_panels >= threads && (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
