@@ -90,12 +90,13 @@ def boundary_shapes(path, dtype):
     for k in (kc // 2, kc):
         single_block_rows = b["single_block_bytes"] // (k * dtype.itemsize)
         shapes += [(m, nr + 1, k) for m in (mc + 1, single_block_rows, single_block_rows + 1)]
-    # Ragged last row panels run tiles of about MR / 2 and MR / 4 rows: each of those, and one more.
-    row_variants = sorted({(mr + 1) // 2, (mr + 3) // 4})
-    shapes += [(mr + r, nr + 1, two_k_blocks) for v in row_variants for r in (v, v + 1)]
+    # Ragged last row panels run tiles of about 3 MR / 4, MR / 2 and MR / 4 rows: each of those, and one more
+    # (within MR: one more than 3 MR / 4 is MR's tile through its edge copy, or MR itself).
+    def row_variants(tile_mr):
+        return sorted({(3 * tile_mr + 3) // 4, (tile_mr + 1) // 2, (tile_mr + 3) // 4})
+    shapes += [(mr + r, nr + 1, two_k_blocks) for v in row_variants(mr) for r in (v, v + 1)]
     first_many = -(-many_rows_min_rows // many_mr) * many_mr
-    shapes += [(first_many + r, many_nr + 1, two_k_blocks) for v in sorted({(many_mr + 1) // 2, (many_mr + 3) // 4})
-               for r in (v, v + 1)]
+    shapes += [(first_many + r, many_nr + 1, two_k_blocks) for v in row_variants(many_mr) for r in (v, v + 1)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, two_k_blocks) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.

@@ -40,8 +40,8 @@ struct TileArgs {
   bool relu;
 };
 
-// Row counts each microkernel has an instance for: MR, about MR / 2 and MR / 4.
-constexpr int kRowVariants = 3;
+// Row counts each microkernel has an instance for: MR, about 3 MR / 4, MR / 2 and MR / 4.
+constexpr int kRowVariants = 4;
 
 template <typename T>
 struct Microkernel {
@@ -53,8 +53,9 @@ struct Microkernel {
   // rows_of_variant[r] rows and v vectors of columns (cols <= v * lanes). A
   // ragged last column panel of a wide tile runs only the vectors it needs,
   // and none through the local edge copy when its width is whole vectors; a
-  // ragged row panel (the 10 rows of a 10-class head's dW: 8 + 2) runs 2 or 4
-  // rows instead of MR.
+  // ragged row panel runs fewer rows than MR (the 10 rows of a 10-class head's
+  // dW: 8 + 2; 14 rows: 8 + 6, where 6 rows ran the 8-row tile through the
+  // edge copy before the 3/4 instance). Descending: [0] is MR.
   int64_t rows_of_variant[kRowVariants];
   // A with unit row stride (a packed panel, or a column-major operand).
   TileFn unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
@@ -66,7 +67,11 @@ struct Microkernel {
   // The same two with a bias by row (TileArgs::row_bias): a product computed as Cᵀ.
   TileFn row_bias_unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
   TileFn row_bias_unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
-  int row_variant(int64_t rows) const { return rows <= rows_of_variant[2] ? 2 : rows <= rows_of_variant[1] ? 1 : 0; }
+  int row_variant(int64_t rows) const {  // the smallest instance that covers `rows`
+    int variant = 0;
+    while (variant + 1 < kRowVariants && rows <= rows_of_variant[variant + 1]) ++variant;
+    return variant;
+  }
   TileFn tile_unit_k_stride(int64_t rows, int64_t cols) const {
     return unit_k_stride_tiles[row_variant(rows)][(cols - 1) / lanes];
   }

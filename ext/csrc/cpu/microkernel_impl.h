@@ -330,17 +330,20 @@ Microkernel<typename Simd::T> make_microkernel() {
   using T = typename Simd::T;
   constexpr int NR = NV * Simd::kLanes;
   static_assert(NV <= kMaxTileVectors);
-  constexpr int kHalf = (MR + 1) / 2, kQuarter = (MR + 3) / 4;
+  constexpr int kThreeQuarters = (3 * MR + 3) / 4, kHalf = (MR + 1) / 2, kQuarter = (MR + 3) / 4;
+  static_assert(kRowVariants == 4);
   Microkernel<T> uk{};
   uk.mr = MR;
   uk.nr = NR;
   uk.lanes = Simd::kLanes;
   uk.rows_of_variant[0] = MR;
-  uk.rows_of_variant[1] = kHalf;
-  uk.rows_of_variant[2] = kQuarter;
+  uk.rows_of_variant[1] = kThreeQuarters;
+  uk.rows_of_variant[2] = kHalf;
+  uk.rows_of_variant[3] = kQuarter;
   set_row_variant<Simd, MR, NV>(uk, 0);
-  set_row_variant<Simd, kHalf, NV>(uk, 1);
-  set_row_variant<Simd, kQuarter, NV>(uk, 2);
+  set_row_variant<Simd, kThreeQuarters, NV>(uk, 1);
+  set_row_variant<Simd, kHalf, NV>(uk, 2);
+  set_row_variant<Simd, kQuarter, NV>(uk, 3);
   // The shallow tile: half the rows, and vectors enough for 8 sums in flight (two FMA pipes,
   // 4 cycles each), kShallowVectors x kHalf of them.
   constexpr int kShallowVectors = std::min(kMaxTileVectors, (8 + kHalf - 1) / kHalf);
