@@ -97,6 +97,11 @@ def boundary_shapes(path, dtype):
     shapes += [(mr + r, nr + 1, two_k_blocks) for v in row_variants(mr) for r in (v, v + 1)]
     first_many = -(-many_rows_min_rows // many_mr) * many_mr
     shapes += [(first_many + r, many_nr + 1, two_k_blocks) for v in row_variants(many_mr) for r in (v, v + 1)]
+    # The tall tile, for C of exactly its MR rows: a batch of tall_mr (forward, dX), and the dW of a head with
+    # tall_mr outputs; ragged columns, K in one block and in two.
+    tall_mr, tall_nr = b["tall_mr"], b["tall_nr"]
+    shapes += [(tall_mr, n, k) for n in (tall_nr - 1, tall_nr + lanes + 1) for k in (5, two_k_blocks)]
+    shapes += [(m, tall_mr, k) for m in (5, two_k_blocks) for k in (tall_nr + 1, 2 * tall_nr + lanes)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, two_k_blocks) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.
@@ -183,10 +188,12 @@ LAYOUTS = ["contiguous", "transposed", "strided"]
 def test_strided_and_transposed_operands(path, dtype):
     b = block_sizes(path, dtype)
     # Ragged in every dimension, on the wide tile, then on the many-rows one (M and,
-    # for dW, N of at least many_rows_min_rows).
+    # for dW, N of at least many_rows_min_rows), then on the tall one (dX of a batch of
+    # tall_mr, dW of a head of tall_mr outputs).
     k = b["max_single_k_block"] + 9
     shapes = [(2 * b["wide_mr"] + 1, b["wide_nr"] + 3, k),
-              (b["many_rows_min_rows"] + 2 * b["many_rows_mr"] + 1, b["many_rows_min_rows"] + 3, k)]
+              (b["many_rows_min_rows"] + 2 * b["many_rows_mr"] + 1, b["many_rows_min_rows"] + 3, k),
+              (b["tall_mr"], b["wide_nr"] + 3, k), (2 * b["wide_mr"] + 1, b["tall_mr"], k)]
     with cpu_path(path):
         for (m, n, k), x_layout, w_layout in itertools.product(shapes, LAYOUTS, LAYOUTS):
             x, w = make(m, k, dtype, x_layout, 1), make(n, k, dtype, w_layout, 2)
@@ -575,7 +582,7 @@ def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
 def test_the_tile_alone_runs_every_tile_of_every_path(path):
     with cpu_path(path):
         b = block_sizes(path, torch.float32)
-        for tile in ("wide", "narrow", "many_rows"):
+        for tile in ("wide", "narrow", "many_rows", "tall"):
             for vectors in range(1, b[f"{tile}_nr"] // b["lanes"] + 1):
                 gflops = ops.tile_gflops(tile, vectors, 16, 1)
                 assert 0 < gflops < float("inf"), (tile, vectors, gflops)
@@ -583,7 +590,7 @@ def test_the_tile_alone_runs_every_tile_of_every_path(path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("square", 1, 16, 1), "tile must be 'wide', 'narrow' or 'many_rows'"),
+    (("square", 1, 16, 1), "tile must be 'wide', 'narrow', 'many_rows' or 'tall'"),
     (("wide", 0, 16, 1), "vectors must be 1 to"),
     (("narrow", 2, 16, 1), "vectors must be 1 to 1 for this tile"),
     (("wide", 1, 0, 1), "kc must be 1 to 4096"),

@@ -115,6 +115,7 @@ c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, co
   for (const auto& [name, value] : {std::pair<const char*, int64_t>{"wide_mr", b.wide_mr}, {"wide_nr", b.wide_nr},
                                     {"narrow_mr", b.narrow_mr}, {"narrow_nr", b.narrow_nr},
                                     {"many_rows_mr", b.many_rows_mr}, {"many_rows_nr", b.many_rows_nr},
+                                    {"tall_mr", b.tall_mr}, {"tall_nr", b.tall_nr},
                                     {"lanes", b.lanes}, {"kc", b.kc}, {"max_single_k_block", b.max_single_k_block},
                                     {"mc", b.mc}, {"nc", b.nc}, {"single_block_bytes", b.single_block_bytes},
                                     {"many_rows_min_rows", b.many_rows_min_rows},

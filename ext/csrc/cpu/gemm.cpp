@@ -233,6 +233,7 @@ CpuPath g_active_path = best_cpu_path();
 
 // Each path's table of tile and packing functions, built on the path's first use
 // (not at load: the AVX-512 file may not run on this CPU), then shared by every call.
+// (The tall tile runs only products of its own MR rows: one block, never a multiple of MR.)
 template <typename T>
 Microkernels<T> checked_against_block_rows(Microkernels<T> table, CpuPath path) {
   for (const Microkernel<T>* uk : {&table.wide, &table.narrow, &table.many_rows})
@@ -298,7 +299,9 @@ bool c_rows_are_pages_apart(int64_t rows, int64_t ldc) {
 template <typename T>
 const Microkernel<T>& microkernel_for(int64_t M, int64_t N) {
   const Microkernels<T>& kernels = microkernels<T>(g_active_path);
-  return N <= kernels.narrow.nr ? kernels.narrow : M >= kManyRowsMinRows ? kernels.many_rows : kernels.wide;
+  if (N <= kernels.narrow.nr) return kernels.narrow;
+  if (M == kernels.tall.mr) return kernels.tall;
+  return M >= kManyRowsMinRows ? kernels.many_rows : kernels.wide;
 }
 
 thread_local PackBuffer t_packed_a, t_packed_b;  // packing never allocates once warm
@@ -872,7 +875,7 @@ template <typename T>
 BlockSizes block_sizes(CpuPath path) {
   const Microkernels<T>& k = microkernels<T>(path);
   return {k.wide.mr,     k.wide.nr,          k.narrow.mr,     k.narrow.nr,
-          k.many_rows.mr, k.many_rows.nr,    k.wide.lanes,    kKC<T>,
+          k.many_rows.mr, k.many_rows.nr,    k.tall.mr,       k.tall.nr,       k.wide.lanes,    kKC<T>,
           kMaxSingleKBlock<T>, block_rows(path), kNC,          single_block_bytes(path),
           kManyRowsMinRows, kMaxRowsForBInPlace, rows_outer_max_b_bytes(), transposed_min_rows<T>(path),
           kTransposedCCost, kMaxShallowDepth, k.wide.shallow_rows, k.wide.shallow_nr,
@@ -889,8 +892,9 @@ double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t 
   const Microkernel<float>* uk = tile_name == "wide"        ? &kernels.wide
                                  : tile_name == "narrow"    ? &kernels.narrow
                                  : tile_name == "many_rows" ? &kernels.many_rows
+                                 : tile_name == "tall"      ? &kernels.tall
                                                             : nullptr;
-  if (!uk) throw std::invalid_argument("tile must be 'wide', 'narrow' or 'many_rows'");
+  if (!uk) throw std::invalid_argument("tile must be 'wide', 'narrow', 'many_rows' or 'tall'");
   if (vectors < 1 || vectors * uk->lanes > uk->nr)
     throw std::invalid_argument("vectors must be 1 to " + std::to_string(uk->nr / uk->lanes) + " for this tile");
   if (kc < 1 || kc > 4096) throw std::invalid_argument("kc must be 1 to 4096");

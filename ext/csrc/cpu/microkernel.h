@@ -94,11 +94,13 @@ struct Microkernel {
 // Each path has a wide tile for most products, a narrow one (NR of one vector)
 // for outputs with few columns, like a 10-class head, where the wide tile would
 // spend most of its FMAs on padding, and one for products with many rows
-// (kManyRowsMinRows in gemm.cpp), where a wider, shorter tile pays (the wide
+// (kManyRowsMinRows in gemm.cpp), where a wider, shorter tile pays, and one for
+// C of exactly its MR rows (a 10-class head's dW), a taller, narrower tile whose
+// one row panel covers them all, where the wide tile ran 8 + 2 rows (the wide
 // tile again on paths where none was measured faster).
 template <typename T>
 struct Microkernels {
-  Microkernel<T> wide, narrow, many_rows;
+  Microkernel<T> wide, narrow, many_rows, tall;
   // out[n] = sum over r of a[r * row_stride + n] for n < cols (contiguous rows,
   // db's reduction), each column adding its rows in order.
   void (*sum_rows)(const T* a, int64_t row_stride, int64_t rows, int64_t cols, T* out);

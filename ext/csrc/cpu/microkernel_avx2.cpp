@@ -36,15 +36,15 @@ struct Avx2Double : AvxTranspose<double> {
 
 }  // namespace
 
-// float 6x16 and 6x8, double 6x8 and 6x4; the wide tile serves many rows too.
+// float 6x16 and 6x8, double 6x8 and 6x4; the wide tile serves many rows and the tall tile's rows too.
 template <> Microkernels<float> avx2_microkernels<float>() {
   const Microkernel<float> wide = make_microkernel<Avx2Float, 6, 2>();
-  return {wide, make_microkernel<Avx2Float, 6, 1>(), wide, &sum_rows_contiguous<Avx2Float>,
+  return {wide, make_microkernel<Avx2Float, 6, 1>(), wide, wide, &sum_rows_contiguous<Avx2Float>,
           &relu_backward_sum_rows<Avx2Float>, &transpose_matrix<Avx2Float>};
 }
 template <> Microkernels<double> avx2_microkernels<double>() {
   const Microkernel<double> wide = make_microkernel<Avx2Double, 6, 2>();
-  return {wide, make_microkernel<Avx2Double, 6, 1>(), wide, &sum_rows_contiguous<Avx2Double>,
+  return {wide, make_microkernel<Avx2Double, 6, 1>(), wide, wide, &sum_rows_contiguous<Avx2Double>,
           &relu_backward_sum_rows<Avx2Double>, &transpose_matrix<Avx2Double>};
 }
 

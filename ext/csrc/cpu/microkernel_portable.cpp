@@ -26,16 +26,18 @@ struct GenericVector {
 
 }  // namespace
 
-// float 4x8 and 4x4, double 4x4 and 4x2; the wide tile serves many rows too.
+// float 4x8 and 4x4, double 4x4 and 4x2; the wide tile serves many rows and the tall tile's rows too.
 template <> Microkernels<float> portable_microkernels<float>() {
   const Microkernel<float> wide = make_microkernel<GenericVector<float>, 4, 2>();
-  return {wide, make_microkernel<GenericVector<float>, 4, 1>(), wide, &sum_rows_contiguous<GenericVector<float>>,
-          &relu_backward_sum_rows<GenericVector<float>>, &transpose_matrix<GenericVector<float>>};
+  return {wide, make_microkernel<GenericVector<float>, 4, 1>(), wide, wide,
+          &sum_rows_contiguous<GenericVector<float>>, &relu_backward_sum_rows<GenericVector<float>>,
+          &transpose_matrix<GenericVector<float>>};
 }
 template <> Microkernels<double> portable_microkernels<double>() {
   const Microkernel<double> wide = make_microkernel<GenericVector<double>, 4, 2>();
-  return {wide, make_microkernel<GenericVector<double>, 4, 1>(), wide, &sum_rows_contiguous<GenericVector<double>>,
-          &relu_backward_sum_rows<GenericVector<double>>, &transpose_matrix<GenericVector<double>>};
+  return {wide, make_microkernel<GenericVector<double>, 4, 1>(), wide, wide,
+          &sum_rows_contiguous<GenericVector<double>>, &relu_backward_sum_rows<GenericVector<double>>,
+          &transpose_matrix<GenericVector<double>>};
 }
 
 }  // namespace ext::cpu
