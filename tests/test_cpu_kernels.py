@@ -97,11 +97,11 @@ def boundary_shapes(path, dtype):
     shapes += [(mr + r, nr + 1, two_k_blocks) for v in row_variants(mr) for r in (v, v + 1)]
     first_many = -(-many_rows_min_rows // many_mr) * many_mr
     shapes += [(first_many + r, many_nr + 1, two_k_blocks) for v in row_variants(many_mr) for r in (v, v + 1)]
-    # The tall tile, for C of exactly its MR rows: a batch of tall_mr (forward, dX), and the dW of a head with
-    # tall_mr outputs; ragged columns, K in one block and in two.
+    # The tall tile, for C of exactly its MR rows: a batch of tall_mr (forward, dX; with tall_mr outputs, a
+    # shallow dX), and the dW of a head with tall_mr outputs; ragged columns, K in one block and in two.
     tall_mr, tall_nr = b["tall_mr"], b["tall_nr"]
     shapes += [(tall_mr, n, k) for n in (tall_nr - 1, tall_nr + lanes + 1) for k in (5, two_k_blocks)]
-    shapes += [(m, tall_mr, k) for m in (5, two_k_blocks) for k in (tall_nr + 1, 2 * tall_nr + lanes)]
+    shapes += [(m, tall_mr, k) for m in (5, tall_mr, two_k_blocks) for k in (tall_nr + 1, 2 * tall_nr + lanes)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, two_k_blocks) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.

@@ -233,7 +233,7 @@ CpuPath g_active_path = best_cpu_path();
 
 // Each path's table of tile and packing functions, built on the path's first use
 // (not at load: the AVX-512 file may not run on this CPU), then shared by every call.
-// (The tall tile runs only products of its own MR rows: one block, never a multiple of MR.)
+// (Not the tall tile: it runs only products of exactly its MR rows, one A block of one panel.)
 template <typename T>
 Microkernels<T> checked_against_block_rows(Microkernels<T> table, CpuPath path) {
   for (const Microkernel<T>* uk : {&table.wide, &table.narrow, &table.many_rows})
