@@ -117,6 +117,10 @@ def boundary_shapes(path, dtype):
     wide_n = page_cols + lanes + 1 if dtype == torch.float32 else page_cols
     rows_over_l2 = b["l2_bytes"] // (wide_n * dtype.itemsize) + 1
     shapes += [(m, wide_n, k) for m in (rows_over_l2 - 1, rows_over_l2 + mr + 1) for k in (5, two_k_blocks)]
+    # A row-major B with rows a whole number of pages apart is packed a micro-panel at a time, by the panel's
+    # first row tile as it reads it (from MR rows; fewer, packed first): dX of a layer of 1024 float32 inputs,
+    # and dW from a batch whose input has that width (A then packed too); K in one block and in two.
+    shapes += [(m, n, page_cols) for m in (mr - 1, mr, mr + 1, 3 * mr + 2) for n in (nr + 1, two_k_blocks)]
     # dX of a 10-class head (its K = 10): B's block (10 x in) on each side of the bytes that run row tiles outermost.
     rows_outer_max_cols = b["rows_outer_max_b_bytes"] // (10 * dtype.itemsize)
     shapes += [(m, 10, k) for m in (mr + 1, b_in_place_max_rows) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
@@ -563,6 +567,9 @@ def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
         assert packed_by(lambda: ops.linear(torch.randn(tall, k), w_stored_transposed, None)) == (0, k * n)
         # dX = dY·W reads W in place; dW = dYᵀ·X packs dYᵀ once and reads X in place.
         assert packed_by(lambda: ops.linear_backward_input(dy, w)) == (0, 0)
+        # Unless W's rows are a page apart: then its panels are packed, each by its first row tile.
+        w_pages = torch.randn(n, 4096 // 4)
+        assert packed_by(lambda: ops.linear_backward_input(dy, w_pages)) == (0, n * w_pages.shape[1])
         # A shallow dX (a 10-class head's) too, in row panels; only the column past its last whole vector is
         # copied into a panel, once (rows in whole wide tiles too, none of dY's packed for a ragged one).
         head_dy, head_w = torch.randn(b["wide_mr"] * b["shallow_mr"], 10), torch.randn(10, 2 * b["shallow_nr"] + 1)

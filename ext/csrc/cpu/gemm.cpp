@@ -467,12 +467,18 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
         const T* a_block = A + ic * a_rs + pc * a_cs;
         if (!read_a_in_place && !shared_packed_a) pack_a(uk, a_block, a_rs, a_cs, mc, kc, packed_a);
         // B's micro-panel for columns jr: packed, or read in place.
-        auto b_panel = [&](int64_t jr, int64_t cols) {
+        // With copy_in_first_tile the panel is packed by its first row tile instead (copy_b_in_tiles).
+        auto b_panel = [&](int64_t jr, int64_t cols, bool copy_in_first_tile = false) {
           tile.cols = cols;
           tile.bias = pc == 0 && bias ? bias + jc + jr : nullptr;
           if (indexed_b) {
             tile.b_offsets = indexed_b->offsets + pc;
             for (int64_t v = 0; v * uk.lanes < cols; ++v) tile.b_vectors[v] = indexed_b->vectors[(jc + jr) / uk.lanes + v];
+          } else if (copy_in_first_tile) {
+            tile.b = b_block + jr;
+            tile.b_k_stride = b_rs;
+            tile.b_copy = packed_b;
+            g_packed_b_values.fetch_add(kc * cols, std::memory_order_relaxed);  // packed all the same
           } else if (!read_b_in_place) {
             if (pack_b_per_panel) pack_b(uk, b_block + jr * b_cs, b_rs, b_cs, kc, tile.cols, packed_b);
             tile.b = pack_b_per_panel ? packed_b : packed_b + jr * kc;
@@ -493,6 +499,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           if (row_bias) tile.row_bias = pc == 0 ? row_bias + ic + ir : nullptr;
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
           auto run = [&](bool unit_row_stride) {
+            if (tile.b_copy) return uk.copying_b_tiles[unit_row_stride ? 0 : 1](tile);
             if (indexed_b) return uk.tile_indexed_b(unit_row_stride, tile.rows, tile.cols)(tile);
             (unit_row_stride ? unit_row_stride_tiles : unit_k_stride_tiles)[uk.row_variant(tile.rows)]
                                                                           [(tile.cols - 1) / uk.lanes](tile);
@@ -551,9 +558,15 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           // 8 MiB copied into panels on every call) 0.960 and 0.968 of the time on 1 thread, 1.006 on
           // 2; the MLP's products within 1%.
           const bool prefetch_next_b = pack_b_per_panel && !read_b_in_place && (b_cs == 1 || b_rs == 1);
+          // A row-major B packed a micro-panel at a time is packed by the panel's first row tile, which
+          // stores B's rows as it reads them (Microkernel::copying_b_tiles), rather than in a pass of
+          // its own before the tiles: the stores fit beside the tile's FMAs. Only whole panels whose
+          // first tile has all MR rows. Measured on Zen 5 (processes alternating, 8 rounds, median
+          // of the paired ratios of the time): see ext/README.md, "B packed by the first tile".
+          const bool copy_b_in_tiles = pack_b_per_panel && !read_b_in_place && !b_supplied && b_cs == 1 && mc >= MR;
           const int64_t row_tiles = (mc + MR - 1) / MR;
           for (int64_t jr = 0; jr < nc; jr += NR) {
-            b_panel(jr, std::min(NR, nc - jr));
+            b_panel(jr, std::min(NR, nc - jr), copy_b_in_tiles && nc - jr >= NR);
             const int64_t next_cols = std::min(NR, nc - jr - NR);
             const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? kc : next_cols;
             for (int64_t ir = 0; ir < mc; ir += MR) {
@@ -571,6 +584,11 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
               // 11653 us), dW 128x784->256 and dX 128x784->256 unchanged.
               const T* next_c = ir + MR < mc && tile.accumulate ? C + (ic + ir + MR) * ldc + jc + jr : nullptr;
               run_tile(ir, jr, mc, next_c, std::min(MR, mc - ir - MR));
+              if (tile.b_copy) {  // the panel is packed now: the other row tiles read it
+                tile.b = packed_b;
+                tile.b_k_stride = NR;
+                tile.b_copy = nullptr;
+              }
             }
           }
         }

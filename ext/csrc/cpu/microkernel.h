@@ -38,6 +38,10 @@ struct TileArgs {
   const T* row_bias;  // or rows values, one per row (a product computed as Cᵀ, gemm.cpp)
   bool accumulate;
   bool relu;
+  // Where set (Microkernel::copying_b_tiles only), B's rows are also stored here as the tile
+  // reads them, as a packed panel (row k at b_copy + k * NR): the first row tile of a panel
+  // packs it for the others (gemm.cpp).
+  T* b_copy;
 };
 
 // Row counts each microkernel has an instance for: MR, about 3 MR / 4, MR / 2 and MR / 4.
@@ -67,6 +71,9 @@ struct Microkernel {
   // The same two with a bias by row (TileArgs::row_bias): a product computed as Cᵀ.
   TileFn row_bias_unit_row_stride_tiles[kRowVariants][kMaxTileVectors];
   TileFn row_bias_unit_k_stride_tiles[kRowVariants][kMaxTileVectors];
+  // Full tiles (MR x NR, B read in place, no bias by row) that also copy B into a packed
+  // panel (TileArgs::b_copy): [0] A with unit row stride, [1] with unit k stride.
+  TileFn copying_b_tiles[2];
   int row_variant(int64_t rows) const {  // the smallest instance that covers `rows`
     int variant = 0;
     while (variant + 1 < kRowVariants && rows <= rows_of_variant[variant + 1]) ++variant;

@@ -30,7 +30,7 @@ inline void store(typename Simd::T* p, typename Simd::V v) {
 // k loop, for a tile whose MR rows and NR columns all exist (edge tiles: `tile`).
 // kUnitRowStride picks the A addressing at compile time so the packed case (the
 // hot one) has no stride multiplies; kIndexedB the B addressing.
-template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias>
+template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias, bool kCopyB = false>
 void full_tile(const TileArgs<typename Simd::T>& t) {
   using T = typename Simd::T;
   using V = typename Simd::V;
@@ -59,6 +59,7 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
 
   const T* a = t.a;
   const T* b = t.b;
+  [[maybe_unused]] T* b_copy = t.b_copy;
   const int64_t a_row_stride = kUnitRowStride ? 1 : t.a_row_stride;
   const int64_t a_k_stride = kUnitRowStride ? t.a_k_stride : 1;
 #pragma GCC unroll 4
@@ -71,6 +72,11 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
     } else {
       _Pragma("GCC unroll 16")
       for (int v = 0; v < NV; ++v) b_row[v] = load<Simd>(b + v * W);
+    }
+    if constexpr (kCopyB) {
+      _Pragma("GCC unroll 16")
+      for (int v = 0; v < NV; ++v) store<Simd>(b_copy + v * W, b_row[v]);
+      b_copy += NV * W;
     }
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
@@ -344,6 +350,8 @@ Microkernel<typename Simd::T> make_microkernel() {
   set_row_variant<Simd, kThreeQuarters, NV>(uk, 1);
   set_row_variant<Simd, kHalf, NV>(uk, 2);
   set_row_variant<Simd, kQuarter, NV>(uk, 3);
+  uk.copying_b_tiles[0] = &full_tile<Simd, MR, NV, true, false, false, true>;
+  uk.copying_b_tiles[1] = &full_tile<Simd, MR, NV, false, false, false, true>;
   // The shallow tile: half the rows, and vectors enough for 8 sums in flight (two FMA pipes,
   // 4 cycles each), kShallowVectors x kHalf of them.
   constexpr int kShallowVectors = std::min(kMaxTileVectors, (8 + kHalf - 1) / kHalf);
