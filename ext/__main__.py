@@ -24,7 +24,8 @@ def _block_sizes_text() -> str:
             f"MC {b['mc']}, NC {b['nc']}, for L1d {b['l1d_bytes'] // 1024} KiB and L2 {b['l2_bytes'] // 1024} KiB "
             f"per core; the forward as Yᵀ = W·Xᵀ from {b['transposed_min_rows']} rows where "
             f"in·(out − batch) > {b['transposed_c_cost']}·batch·out; up to K = {b['max_shallow_depth']}, "
-            f"operands read in place, rows in panels of {b['shallow_mr']}x{b['shallow_nr']} tiles")
+            f"operands read in place, rows in panels of {b['shallow_mr']}x{b['shallow_nr']} tiles"
+            f"{' (two 512-bit FMAs a cycle, measured)' if b['fmas_per_cycle'] == 2 else ''}")
 
 
 def describe_build(manifest: dict) -> str:

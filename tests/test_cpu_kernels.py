@@ -184,6 +184,54 @@ def test_a_shallow_product_in_row_panels_is_the_same_to_the_bit(path, dtype):
                 assert_equal_on_1_to_3_threads(lambda: product(a), expected, shape)
 
 
+def test_the_shallow_tiles_follow_the_fmas_a_core_issues_a_cycle():
+    # Vectors enough for 8 sums in flight, or 16 where the core issues two 512-bit FMAs a cycle (gemm.cpp,
+    # with_shallow_tiles_for), at most kMaxTileVectors (4).
+    for path in PATHS:
+        for dtype in DTYPES:
+            b = block_sizes(path, dtype)
+            assert b["fmas_per_cycle"] in ((1, 2) if path == "avx512" else (1,)), path
+            vectors = min(4, -(-8 * b["fmas_per_cycle"] // b["shallow_mr"]))
+            assert b["shallow_nr"] == vectors * b["lanes"], (path, dtype, b["shallow_mr"], b["shallow_nr"])
+
+
+@pytest.mark.skipif("avx512" not in PATHS, reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("fmas", ["1", "2"])
+def test_either_fma_rate_runs_its_shallow_tiles_to_the_bit(fmas):
+    """LINEAR_LAB_FMAS_PER_CYCLE runs the shallow tiles another CPU would pick (Zen 4's, or Zen 5's): the
+    shallow-product test above, in a process of its own, on the AVX-512 path."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "LINEAR_LAB_FMAS_PER_CYCLE": fmas}
+    probe = subprocess.run([sys.executable, "-c", "import torch, ext; b = torch.ops.ext.cpu_block_sizes('avx512', "
+                            "'float32'); print(b['fmas_per_cycle'], b['shallow_mr'], b['shallow_nr'])"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    got_fmas, shallow_mr, shallow_nr = map(int, probe.stdout.split())
+    assert got_fmas == int(fmas) and shallow_nr == min(4, -(-8 * got_fmas // shallow_mr)) * 16
+    test = f"{__file__}::test_a_shallow_product_in_row_panels_is_the_same_to_the_bit"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "avx512"],
+                            capture_output=True, text=True, timeout=600, env=env,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "2 passed" in result.stdout
+
+
+def test_a_malformed_fma_rate_override_is_one_line():
+    import os
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-c", "import torch, ext; ext.linear(torch.ones(2, 2), torch.ones(2, 2))"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "LINEAR_LAB_FMAS_PER_CYCLE": "3"})
+    if "avx512" not in PATHS:  # measured, and overridden, only where the CPU has AVX-512
+        assert result.returncode == 0, result.stderr[-2000:]
+        return
+    assert result.returncode != 0
+    assert "LINEAR_LAB_FMAS_PER_CYCLE='3' is not 1 or 2" in result.stderr
+
+
 LAYOUTS = ["contiguous", "transposed", "strided"]
 
 

@@ -244,11 +244,34 @@ Microkernels<T> checked_against_block_rows(Microkernels<T> table, CpuPath path) 
   return table;
 }
 
+// The vector FMAs a core issues a cycle on a path: measured for AVX-512 (avx512_fmas_per_cycle);
+// elsewhere 1, the shallow tiles as they were measured (Zen 4's AVX2 path not re-measured).
+int64_t fmas_per_cycle(CpuPath path) { return path == CpuPath::Avx512 ? avx512_fmas_per_cycle() : 1; }
+
+// Each tile's shallow row panel (Microkernel::shallow_row_panels) for the FMAs this core issues a
+// cycle. With two 512-bit FMAs a cycle the 4 x 2-vector tile (8 sums) spends as many slots on its
+// B loads and A broadcasts (6 per 8 FMAs) as on FMAs; 4 x 4 vectors (16 sums) load 8 per 16.
+// Measured on Zen 5 (dX, processes alternating, 8 rounds, median of the paired ratios of the
+// time, 4 x 4 / 4 x 2): 1 thread 128x256->10 0.95, 128x512->10 0.94, 128x784->10 0.76, 32x256->10
+// 0.91, 128x784->16 0.99; 2 threads 0.95, 0.94, 0.87, 0.89, 0.97; the many-rows tile's 3 x 64 /
+// 3 x 48, 512x256->10 0.99 on both. 4 x 3 was between (0.93-1.10 on 1 thread). On Zen 4 (one
+// 512-bit FMA a cycle) a standalone loop put 4 x 2 at 114 GFLOP/s and 4 x 4 at 108.
+template <typename T>
+Microkernels<T> with_shallow_tiles_for(Microkernels<T> table, int64_t fmas) {
+  const int pick = fmas >= 2 ? 1 : 0;
+  for (Microkernel<T>* uk : {&table.wide, &table.narrow, &table.many_rows, &table.tall}) {
+    uk->shallow_nr = uk->shallow_nrs[pick];
+    uk->shallow_row_panel = uk->shallow_row_panels[pick];
+  }
+  return table;
+}
+
 template <typename T>
 const Microkernels<T>& microkernels(CpuPath path) {
   switch (path) {
     case CpuPath::Avx512: {
-      static const Microkernels<T> table = checked_against_block_rows(avx512_microkernels<T>(), path);
+      static const Microkernels<T> table =
+          checked_against_block_rows(with_shallow_tiles_for(avx512_microkernels<T>(), fmas_per_cycle(path)), path);
       return table;
     }
     case CpuPath::Avx2Fma: {
@@ -896,7 +919,7 @@ BlockSizes block_sizes(CpuPath path) {
           k.many_rows.mr, k.many_rows.nr,    k.tall.mr,       k.tall.nr,       k.wide.lanes,    kKC<T>,
           kMaxSingleKBlock<T>, block_rows(path), kNC,          single_block_bytes(path),
           kManyRowsMinRows, kMaxRowsForBInPlace, rows_outer_max_b_bytes(), transposed_min_rows<T>(path),
-          kTransposedCCost, kMaxShallowDepth, k.wide.shallow_rows, k.wide.shallow_nr,
+          kTransposedCCost, kMaxShallowDepth, k.wide.shallow_rows, k.wide.shallow_nr, fmas_per_cycle(path),
           caches().l2_bytes,  caches().l1d_bytes};
 }
 template BlockSizes block_sizes<float>(CpuPath);

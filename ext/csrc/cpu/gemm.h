@@ -165,6 +165,7 @@ struct BlockSizes {
   int64_t transposed_c_cost;           // K·(N − M) > transposed_c_cost·M·N (gemm.cpp: computes_transposed)
   int64_t max_shallow_depth;           // up to this K, both operands in place: row panels of shallow tiles
   int64_t shallow_mr, shallow_nr;      // the wide tile's shallow tile (Microkernel::shallow_row_panel)
+  int64_t fmas_per_cycle;              // the vector FMAs a cycle the shallow tiles were picked for
   int64_t l2_bytes;                    // L2 per core as detected (gemm.cpp: caches); MC and the rest follow
   int64_t l1d_bytes;                   // L1d per core as detected
 };
@@ -176,6 +177,11 @@ BlockSizes block_sizes(CpuPath path);
 // has (AVX-512 if present, else AVX2) on num_threads threads.
 // The benchmark reports each kernel as a % of it.
 double measure_fma_peak_gflops(int64_t num_threads);
+
+// 512-bit FMAs a core issues a cycle: 1 (Zen 4, which runs them on 256-bit units) or 2 (Zen 5),
+// measured once, on first call, as the rate of 12 independent FMA chains over that of 4
+// (latency-bound: one a cycle anywhere); 0 without AVX-512. The shallow tiles follow it (gemm.cpp).
+int avx512_fmas_per_cycle();
 
 // Runs work(i) for i in [0, count) on `count` threads at once, for the measurements here, which time
 // every core working together. All threads started are joined before it returns, also when starting

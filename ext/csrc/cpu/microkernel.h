@@ -92,6 +92,11 @@ struct Microkernel {
   // a panel rather than a tile: at K = 10 the driver's work per tile cost as much again.
   int64_t shallow_rows, shallow_nr;
   TileFn shallow_row_panel;
+  // Its instances: [0] for 8 sums in flight (4 cycles of latency, 2 FMAs a cycle of 256 bits or
+  // 1 of 512), [1] for 16 (2 of 512 bits: Zen 5). shallow_nr and shallow_row_panel are [0] until
+  // gemm.cpp picks by the FMAs the core issues a cycle (with_shallow_tiles_for).
+  int64_t shallow_nrs[2];
+  TileFn shallow_row_panels[2];
   // Packs A[rows x kc] into MR-row panels (k-major inside a panel), zero-padded.
   void (*pack_a)(const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst);
   // Packs B[kc x cols] into NR-column panels (k-major inside a panel), zero-padded.

@@ -355,9 +355,14 @@ Microkernel<typename Simd::T> make_microkernel() {
   // The shallow tile: half the rows, and vectors enough for 8 sums in flight (two FMA pipes,
   // 4 cycles each), kShallowVectors x kHalf of them.
   constexpr int kShallowVectors = std::min(kMaxTileVectors, (8 + kHalf - 1) / kHalf);
+  constexpr int kShallowVectorsFor16 = std::min(kMaxTileVectors, (16 + kHalf - 1) / kHalf);
   uk.shallow_rows = kHalf;
-  uk.shallow_nr = kShallowVectors * Simd::kLanes;
-  uk.shallow_row_panel = &shallow_row_panel<Simd, kHalf, kShallowVectors>;
+  uk.shallow_nrs[0] = kShallowVectors * Simd::kLanes;
+  uk.shallow_row_panels[0] = &shallow_row_panel<Simd, kHalf, kShallowVectors>;
+  uk.shallow_nrs[1] = kShallowVectorsFor16 * Simd::kLanes;
+  uk.shallow_row_panels[1] = &shallow_row_panel<Simd, kHalf, kShallowVectorsFor16>;
+  uk.shallow_nr = uk.shallow_nrs[0];
+  uk.shallow_row_panel = uk.shallow_row_panels[0];
   uk.pack_a = [](const T* a, int64_t row_stride, int64_t k_stride, int64_t rows, int64_t kc, T* dst) {
     pack_panels<Simd, MR>(a, row_stride, k_stride, rows, kc, dst);
   };
