@@ -352,8 +352,9 @@ Microkernel<typename Simd::T> make_microkernel() {
   set_row_variant<Simd, kQuarter, NV>(uk, 3);
   uk.copying_b_tiles[0] = &full_tile<Simd, MR, NV, true, false, false, true>;
   uk.copying_b_tiles[1] = &full_tile<Simd, MR, NV, false, false, false, true>;
-  // The shallow tile: half the rows, and vectors enough for 8 sums in flight (two FMA pipes,
-  // 4 cycles each), kShallowVectors x kHalf of them.
+  // The shallow tile: half the rows, and vectors enough for 8 sums in flight (4 cycles of FMA
+  // latency, two 256-bit FMAs or one 512-bit a cycle), kShallowVectors x kHalf of them; or for 16
+  // (two 512-bit FMAs a cycle), which gemm.cpp picks on such a core (with_shallow_tiles_for).
   constexpr int kShallowVectors = std::min(kMaxTileVectors, (8 + kHalf - 1) / kHalf);
   constexpr int kShallowVectorsFor16 = std::min(kMaxTileVectors, (16 + kHalf - 1) / kHalf);
   uk.shallow_rows = kHalf;
