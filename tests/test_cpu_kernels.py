@@ -184,15 +184,19 @@ def test_a_shallow_product_in_row_panels_is_the_same_to_the_bit(path, dtype):
                 assert_equal_on_1_to_3_threads(lambda: product(a), expected, shape)
 
 
+def shallow_vectors(fmas_per_cycle, shallow_mr):
+    """The shallow tile's vectors: enough for 8 sums in flight, or 16 where the core issues two 512-bit FMAs a
+    cycle (gemm.cpp, with_shallow_tiles_for), at most kMaxTileVectors (4)."""
+    return min(4, -(-8 * fmas_per_cycle // shallow_mr))
+
+
 def test_the_shallow_tiles_follow_the_fmas_a_core_issues_a_cycle():
-    # Vectors enough for 8 sums in flight, or 16 where the core issues two 512-bit FMAs a cycle (gemm.cpp,
-    # with_shallow_tiles_for), at most kMaxTileVectors (4).
     for path in PATHS:
         for dtype in DTYPES:
             b = block_sizes(path, dtype)
             assert b["fmas_per_cycle"] in ((1, 2) if path == "avx512" else (1,)), path
-            vectors = min(4, -(-8 * b["fmas_per_cycle"] // b["shallow_mr"]))
-            assert b["shallow_nr"] == vectors * b["lanes"], (path, dtype, b["shallow_mr"], b["shallow_nr"])
+            assert b["shallow_nr"] == shallow_vectors(b["fmas_per_cycle"], b["shallow_mr"]) * b["lanes"], \
+                (path, dtype, b["shallow_mr"], b["shallow_nr"])
 
 
 @pytest.mark.skipif("avx512" not in PATHS, reason="this CPU has no AVX-512")
@@ -209,7 +213,7 @@ def test_either_fma_rate_runs_its_shallow_tiles_to_the_bit(fmas):
                            capture_output=True, text=True, timeout=300, env=env)
     assert probe.returncode == 0, probe.stderr[-2000:]
     got_fmas, shallow_mr, shallow_nr = map(int, probe.stdout.split())
-    assert got_fmas == int(fmas) and shallow_nr == min(4, -(-8 * got_fmas // shallow_mr)) * 16
+    assert got_fmas == int(fmas) and shallow_nr == shallow_vectors(got_fmas, shallow_mr) * 16
     test = f"{__file__}::test_a_shallow_product_in_row_panels_is_the_same_to_the_bit"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "avx512"],
                             capture_output=True, text=True, timeout=600, env=env,
