@@ -231,6 +231,66 @@ def test_gradgradcheck(fn, bias):
     assert torch.autograd.gradgradcheck(lambda *args: fn(*args), operands)
 
 
+# The backward products as ops of their own, each with torch's expression for it and its operands' shapes
+# from (M, N, K): dX = dY·W, dW = dYᵀ·X, db = dY's column sums.
+BACKWARD_OPS = {
+    "linear_backward_input": (lambda dy, w: dy @ w, lambda M, N, K: [(M, N), (N, K)]),
+    "linear_backward_weight": (lambda dy, x: dy.t() @ x, lambda M, N, K: [(M, N), (M, K)]),
+    "linear_backward_bias": (lambda dy: dy.sum(0), lambda M, N, K: [(M, N)]),
+}
+
+
+def _backward_op_operands(op, M, N, K, dtype):
+    generator = torch.Generator().manual_seed(M * 10007 + N * 101 + K)
+    return [torch.randn(shape, dtype=dtype, generator=generator) for shape in BACKWARD_OPS[op][1](M, N, K)]
+
+
+@pytest.mark.parametrize("op", BACKWARD_OPS)
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (3, 5, 7), (17, 6, 16), (2, 3, 0)])
+def test_backward_ops_are_differentiable(op, M, N, K):
+    # Without an autograd kernel of their own, torch's fallback gave their operands zero gradients (with
+    # only a warning); now each is recorded through ext.linear (autograd.cpp), twice differentiable.
+    operands = [t.requires_grad_() for t in _backward_op_operands(op, M, N, K, torch.float64)]
+    fn = getattr(torch.ops.ext, op)
+    assert torch.autograd.gradcheck(fn, operands)
+    assert torch.autograd.gradgradcheck(fn, operands)
+
+
+@pytest.mark.parametrize("op", BACKWARD_OPS)
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (13, 7, 130), (130, 33, 50), (64, 10, 257)])
+def test_backward_ops_gradients_match_torch_in_float32(op, M, N, K):
+    fn, reference = getattr(torch.ops.ext, op), BACKWARD_OPS[op][0]
+    operands = _backward_op_operands(op, M, N, K, torch.float32)
+    grad_output = torch.randn(reference(*operands).shape)
+
+    def output_and_grads(f, tensors, upstream):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        output = f(*leaves)
+        output.backward(upstream)
+        return output.detach(), [t.grad for t in leaves]
+
+    ours, our_grads = output_and_grads(fn, operands, grad_output)
+    as64 = [t.double() for t in operands]
+    expected, expected_grads = output_and_grads(reference, as64, grad_output.double())
+    # Each is linear in each operand: the same on absolute values bounds every result's sum of |terms|.
+    magnitude, grad_magnitudes = output_and_grads(reference, [t.abs() for t in as64], grad_output.double().abs())
+    terms = max(M, N, K) + 1
+    assert_within_rounding(ours, expected, magnitude, terms)
+    for got, want, size in zip(our_grads, expected_grads, grad_magnitudes, strict=True):
+        assert got.dtype == torch.float32
+        assert_within_rounding(got, want, size, terms)
+
+
+def test_forward_mode_ad_through_the_op_still_refuses():
+    # A call that needs no graph runs below autograd (autograd.cpp); a forward-mode tangent still counts as
+    # needing one, so the op says it has no jvp rather than dropping the tangent.
+    input, weight, bias = make_operands(3, 5, 4, torch.float64)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(input, torch.ones_like(input))
+        with pytest.raises(RuntimeError, match="jvp is not implemented"):
+            torch.ops.ext.linear(dual, weight, bias)
+
+
 @pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])
 def test_autograd_never_enters_python(fn):
     # The autograd kernel is C++: a Python one costs ~10 µs per layer per step, as much as a small GEMM.
