@@ -121,6 +121,11 @@ def boundary_shapes(path, dtype):
     # first row tile as it reads it (from MR rows; fewer, packed first): dX of a layer of 1024 float32 inputs,
     # and dW from a batch whose input has that width (A then packed too); K in one block and in two.
     shapes += [(m, n, page_cols) for m in (mr - 1, mr, mr + 1, 3 * mr + 2) for n in (nr + 1, two_k_blocks)]
+    # With several A blocks a row-major B is packed whole by the first block's row tiles, each panel by its first
+    # (a ragged last panel packed apart), and the later blocks read the copy: dX and dW of MC + 1 and 2 MC + MR + 1
+    # rows, and as many as the many-rows tile runs, with a ragged last column panel and K in two blocks.
+    for m in (mc + 1, 2 * mc + mr + 1, many_rows_min_rows + many_mr + 1):
+        shapes += [(m, 2 * kc + 1, 2 * nr + 3), (2 * kc + 1, m, 2 * nr + 3)]
     # dX of a 10-class head (its K = 10): B's block (10 x in) on each side of the bytes that run row tiles outermost.
     rows_outer_max_cols = b["rows_outer_max_b_bytes"] // (10 * dtype.itemsize)
     shapes += [(m, 10, k) for m in (mr + 1, b_in_place_max_rows) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
@@ -622,6 +627,11 @@ def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
         # Unless W's rows are a page apart: then its panels are packed, each by its first row tile.
         w_pages = torch.randn(n, 4096 // 4)
         assert packed_by(lambda: ops.linear_backward_input(dy, w_pages)) == (0, n * w_pages.shape[1])
+        # More rows than one A block (whole tiles of the wide tile's): W packed once, by the first block's tiles,
+        # read by every block.
+        blocks_dy = torch.randn((max(b["mc"], b["b_in_place_max_rows"]) // b["wide_mr"] + 1) * b["wide_mr"], n)
+        assert blocks_dy.shape[0] < b["many_rows_min_rows"]
+        assert packed_by(lambda: ops.linear_backward_input(blocks_dy, w)) == (0, n * k)
         # A shallow dX (a 10-class head's) too, in row panels; only the column past its last whole vector is
         # copied into a panel, once (rows in whole wide tiles too, none of dY's packed for a ragged one).
         head_dy, head_w = torch.randn(b["wide_mr"] * b["shallow_mr"], 10), torch.randn(10, 2 * b["shallow_nr"] + 1)

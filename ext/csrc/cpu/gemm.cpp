@@ -466,6 +466,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // A shallow product read in place (dX of a 10-class head) runs its rows in panels across
   // all its columns, of tiles smaller than the wide tile (kMaxShallowDepth).
   const bool shallow = read_a_in_place && read_b_in_place && !row_bias && K <= kMaxShallowDepth;
+  // A row-major B is packed by the first row tile of each of its panels, which stores B's rows as it
+  // reads them for its FMAs (Microkernel::copying_b_tiles), rather than in a pass of its own: a panel at
+  // a time right before its row tiles (pack_b_per_panel), or, with several A blocks, the whole block
+  // during the first A block, the later blocks reading the copy. Measured on Zen 5 (processes
+  // alternating, 8 rounds, median of the paired ratios of the time): see ext/README.md, "B packed by
+  // the first tile".
+  const bool copy_b_in_tiles = !read_b_in_place && !b_supplied && b_cs == 1 && !rows_outer && !shallow;
   T* packed_b = b_supplied ? const_cast<T*>(prepacked_b)
                            : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
@@ -481,7 +488,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
     for (int64_t pc = 0; pc < K; pc += KC) {
       const int64_t kc = std::min(KC, K - pc);
       const T* b_block = B + pc * b_rs + jc * b_cs;
-      if (!read_b_in_place && !pack_b_per_panel && !b_supplied) pack_b(uk, b_block, b_rs, b_cs, kc, nc, packed_b);
+      if (!read_b_in_place && !pack_b_per_panel && !b_supplied && !copy_b_in_tiles)
+        pack_b(uk, b_block, b_rs, b_cs, kc, nc, packed_b);
       tile.kc = kc;
       tile.accumulate = pc > 0 || accumulate_c;
       tile.relu = relu && pc + kc == K;
@@ -489,6 +497,10 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
         const int64_t mc = std::min(MC, m1 - ic);
         const T* a_block = A + ic * a_rs + pc * a_cs;
         if (!read_a_in_place && !shared_packed_a) pack_a(uk, a_block, a_rs, a_cs, mc, kc, packed_a);
+        // Where B's micro-panel for columns jr is packed: one reused panel, or its place in the block.
+        auto packed_b_panel = [&](int64_t jr) { return pack_b_per_panel ? packed_b : packed_b + jr * kc; };
+        // Whether this A block packs B's panels (the rest read the block's copy).
+        const bool packs_b = !read_b_in_place && !b_supplied && (pack_b_per_panel || ic == m0);
         // B's micro-panel for columns jr: packed, or read in place.
         // With copy_in_first_tile the panel is packed by its first row tile instead (copy_b_in_tiles).
         auto b_panel = [&](int64_t jr, int64_t cols, bool copy_in_first_tile = false) {
@@ -500,11 +512,12 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           } else if (copy_in_first_tile) {
             tile.b = b_block + jr;
             tile.b_k_stride = b_rs;
-            tile.b_copy = packed_b;
+            tile.b_copy = packed_b_panel(jr);
             g_packed_b_values.fetch_add(kc * cols, std::memory_order_relaxed);  // packed all the same
           } else if (!read_b_in_place) {
-            if (pack_b_per_panel) pack_b(uk, b_block + jr * b_cs, b_rs, b_cs, kc, tile.cols, packed_b);
-            tile.b = pack_b_per_panel ? packed_b : packed_b + jr * kc;
+            if (pack_b_per_panel || (copy_b_in_tiles && packs_b))
+              pack_b(uk, b_block + jr * b_cs, b_rs, b_cs, kc, tile.cols, packed_b_panel(jr));
+            tile.b = packed_b_panel(jr);
             tile.b_k_stride = NR;
           } else if (tile.cols % uk.lanes == 0) {  // whole vectors: no padding to read
             tile.b = b_block + jr;
@@ -581,15 +594,11 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           // 8 MiB copied into panels on every call) 0.960 and 0.968 of the time on 1 thread, 1.006 on
           // 2; the MLP's products within 1%.
           const bool prefetch_next_b = pack_b_per_panel && !read_b_in_place && (b_cs == 1 || b_rs == 1);
-          // A row-major B packed a micro-panel at a time is packed by the panel's first row tile, which
-          // stores B's rows as it reads them (Microkernel::copying_b_tiles), rather than in a pass of
-          // its own before the tiles: the stores fit beside the tile's FMAs. Only whole panels whose
-          // first tile has all MR rows. Measured on Zen 5 (processes alternating, 8 rounds, median
-          // of the paired ratios of the time): see ext/README.md, "B packed by the first tile".
-          const bool copy_b_in_tiles = pack_b_per_panel && !read_b_in_place && !b_supplied && b_cs == 1 && mc >= MR;
+          // copy_b_in_tiles: only whole panels whose first tile has all MR rows; the others are packed.
+          const bool copy_in_first_tiles = copy_b_in_tiles && packs_b && mc >= MR;
           const int64_t row_tiles = (mc + MR - 1) / MR;
           for (int64_t jr = 0; jr < nc; jr += NR) {
-            b_panel(jr, std::min(NR, nc - jr), copy_b_in_tiles && nc - jr >= NR);
+            b_panel(jr, std::min(NR, nc - jr), copy_in_first_tiles && nc - jr >= NR);
             const int64_t next_cols = std::min(NR, nc - jr - NR);
             const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? kc : next_cols;
             for (int64_t ir = 0; ir < mc; ir += MR) {
@@ -608,7 +617,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
               const T* next_c = ir + MR < mc && tile.accumulate ? C + (ic + ir + MR) * ldc + jc + jr : nullptr;
               run_tile(ir, jr, mc, next_c, std::min(MR, mc - ir - MR));
               if (tile.b_copy) {  // the panel is packed now: the other row tiles read it
-                tile.b = packed_b;
+                tile.b = packed_b_panel(jr);
                 tile.b_k_stride = NR;
                 tile.b_copy = nullptr;
               }
