@@ -126,6 +126,11 @@ def boundary_shapes(path, dtype):
     # rows, and as many as the many-rows tile runs, with a ragged last column panel and K in two blocks.
     for m in (mc + 1, 2 * mc + mr + 1, many_rows_min_rows + many_mr + 1):
         shapes += [(m, 2 * kc + 1, 2 * nr + 3), (2 * kc + 1, m, 2 * nr + 3)]
+    # A column-major A (dW's dYᵀ) is packed by the row tiles of each A block's first column panel, a ragged last
+    # row panel apart, and packed first where that panel is narrower than NR: dW (M = n, N = k, K = m) of MR ± 1
+    # rows to two A blocks and a ragged rest, and as many as the many-rows tile runs; K in two blocks.
+    for n in (mr - 1, mr + 1, mc + 3, 2 * mc + 1, many_rows_min_rows + many_mr + 1):
+        shapes += [(two_k_blocks, n, k) for k in (nr - 1, nr, 2 * nr + 1)]
     # dX of a 10-class head (its K = 10): B's block (10 x in) on each side of the bytes that run row tiles outermost.
     rows_outer_max_cols = b["rows_outer_max_b_bytes"] // (10 * dtype.itemsize)
     shapes += [(m, 10, k) for m in (mr + 1, b_in_place_max_rows) for k in (rows_outer_max_cols, rows_outer_max_cols + 1)]
@@ -637,6 +642,11 @@ def test_the_packed_value_counts_say_which_operand_a_product_packs(path):
         head_dy, head_w = torch.randn(b["wide_mr"] * b["shallow_mr"], 10), torch.randn(10, 2 * b["shallow_nr"] + 1)
         assert packed_by(lambda: ops.linear_backward_input(head_dy, head_w)) == (0, 10)
         assert packed_by(lambda: ops.linear_backward_weight(dy, x)) == (n * rows, 0)
+        # dYᵀ in more than one A block, with a ragged last row panel: still every value once, by the tiles; and X,
+        # now under more rows of C than read it in place, once too.
+        outputs = 2 * b["mc"] + 3
+        assert outputs > b["b_in_place_max_rows"]
+        assert packed_by(lambda: ops.linear_backward_weight(torch.randn(rows, outputs), x)) == (outputs * rows, rows * k)
         # Few rows and deep enough: Yᵀ = W·Xᵀ reads W in place and transposes only X into panels (Yᵀ's rows
         # whole panels of its tile, the narrow one, so that none is packed for its padding).
         rows, n = b["transposed_min_rows"], 4 * b["narrow_mr"]

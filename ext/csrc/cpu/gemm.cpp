@@ -470,9 +470,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // reads them for its FMAs (Microkernel::copying_b_tiles), rather than in a pass of its own: a panel at
   // a time right before its row tiles (pack_b_per_panel), or, with several A blocks, the whole block
   // during the first A block, the later blocks reading the copy. Measured on Zen 5 (processes
-  // alternating, 8 rounds, median of the paired ratios of the time): see ext/README.md, "B packed by
-  // the first tile".
+  // alternating, median of the paired ratios of the time): see ext/README.md, "B packed by its first
+  // tile", for this and the next.
   const bool copy_b_in_tiles = !read_b_in_place && !b_supplied && b_cs == 1 && !rows_outer && !shallow;
+  // Likewise a column-major A (dW's dYᵀ) is packed by the row tiles of each A block's first column
+  // panel (Microkernel::copying_a_tiles), each storing its MR rows of A as it reads them in place; a
+  // ragged last row panel is packed apart.
+  const bool copy_a_in_tiles = !read_a_in_place && !shared_packed_a && a_rs == 1 && !rows_outer && !shallow;
   T* packed_b = b_supplied ? const_cast<T*>(prepacked_b)
                            : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
@@ -496,7 +500,9 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
       for (int64_t ic = m0; ic < m1; ic += MC) {
         const int64_t mc = std::min(MC, m1 - ic);
         const T* a_block = A + ic * a_rs + pc * a_cs;
-        if (!read_a_in_place && !shared_packed_a) pack_a(uk, a_block, a_rs, a_cs, mc, kc, packed_a);
+        // A's panels copied by the first column panel's tiles: only where that panel is whole.
+        const bool copy_a = copy_a_in_tiles && nc >= NR;
+        if (!read_a_in_place && !shared_packed_a && !copy_a) pack_a(uk, a_block, a_rs, a_cs, mc, kc, packed_a);
         // Where B's micro-panel for columns jr is packed: one reused panel, or its place in the block.
         auto packed_b_panel = [&](int64_t jr) { return pack_b_per_panel ? packed_b : packed_b + jr * kc; };
         // Whether this A block packs B's panels (the rest read the block's copy).
@@ -535,6 +541,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           if (row_bias) tile.row_bias = pc == 0 ? row_bias + ic + ir : nullptr;
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
           auto run = [&](bool unit_row_stride) {
+            if (tile.a_copy) return uk.copying_a_tiles[tile.b_copy ? 1 : 0](tile);
             if (tile.b_copy) return uk.copying_b_tiles[unit_row_stride ? 0 : 1](tile);
             if (indexed_b) return uk.tile_indexed_b(unit_row_stride, tile.rows, tile.cols)(tile);
             (unit_row_stride ? unit_row_stride_tiles : unit_k_stride_tiles)[uk.row_variant(tile.rows)]
@@ -543,7 +550,18 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           if (!read_a_in_place) {
             tile.a = a_panels + ir * kc;
             tile.a_k_stride = MR;
+            if (copy_a && jr == 0) {  // this row panel of A is packed now: by this tile, or apart if ragged
+              if (tile.rows == MR) {
+                tile.a = a_block + ir * a_rs;
+                tile.a_k_stride = a_cs;
+                tile.a_copy = packed_a + ir * kc;
+                g_packed_a_values.fetch_add(MR * kc, std::memory_order_relaxed);  // packed all the same
+              } else {
+                pack_a(uk, a_block + ir * a_rs, a_rs, a_cs, tile.rows, kc, packed_a + ir * kc);
+              }
+            }
             run(true);
+            tile.a_copy = nullptr;
           } else if (tile.rows == MR) {
             tile.a = a_block + ir * a_rs;
             tile.a_row_stride = a_rs;

@@ -42,6 +42,10 @@ struct TileArgs {
   // reads them, as a packed panel (row k at b_copy + k * NR): the first row tile of a panel
   // packs it for the others (gemm.cpp).
   T* b_copy;
+  // Where set (Microkernel::copying_a_tiles only), A's MR values of each k, read in place with
+  // unit row stride, are also stored here as a packed panel (k at a_copy + k * MR): the first
+  // column panel's row tiles pack A for the others (gemm.cpp).
+  T* a_copy;
 };
 
 // Row counts each microkernel has an instance for: MR, about 3 MR / 4, MR / 2 and MR / 4.
@@ -74,6 +78,9 @@ struct Microkernel {
   // Full tiles (MR x NR, B read in place, no bias by row) that also copy B into a packed
   // panel (TileArgs::b_copy): [0] A with unit row stride, [1] with unit k stride.
   TileFn copying_b_tiles[2];
+  // Full tiles with A read in place with unit row stride (a column-major A: dW's dYᵀ) that also
+  // copy A into a packed panel (TileArgs::a_copy): [0] B packed, [1] B copied too (b_copy).
+  TileFn copying_a_tiles[2];
   int row_variant(int64_t rows) const {  // the smallest instance that covers `rows`
     int variant = 0;
     while (variant + 1 < kRowVariants && rows <= rows_of_variant[variant + 1]) ++variant;

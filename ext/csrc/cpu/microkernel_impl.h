@@ -30,8 +30,10 @@ inline void store(typename Simd::T* p, typename Simd::V v) {
 // k loop, for a tile whose MR rows and NR columns all exist (edge tiles: `tile`).
 // kUnitRowStride picks the A addressing at compile time so the packed case (the
 // hot one) has no stride multiplies; kIndexedB the B addressing.
-template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias, bool kCopyB = false>
+template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias, bool kCopyB = false,
+          bool kCopyA = false>
 void full_tile(const TileArgs<typename Simd::T>& t) {
+  static_assert(!kCopyA || kUnitRowStride, "A is copied from unit row stride only");
   using T = typename Simd::T;
   using V = typename Simd::V;
   constexpr int W = Simd::kLanes;
@@ -60,6 +62,7 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
   const T* a = t.a;
   const T* b = t.b;
   [[maybe_unused]] T* b_copy = t.b_copy;
+  [[maybe_unused]] T* a_copy = t.a_copy;
   const int64_t a_row_stride = kUnitRowStride ? 1 : t.a_row_stride;
   const int64_t a_k_stride = kUnitRowStride ? t.a_k_stride : 1;
 #pragma GCC unroll 4
@@ -77,6 +80,10 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
       _Pragma("GCC unroll 16")
       for (int v = 0; v < NV; ++v) store<Simd>(b_copy + v * W, b_row[v]);
       b_copy += NV * W;
+    }
+    if constexpr (kCopyA) {
+      std::memcpy(a_copy, a, MR * sizeof(T));
+      a_copy += MR;
     }
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
@@ -352,6 +359,8 @@ Microkernel<typename Simd::T> make_microkernel() {
   set_row_variant<Simd, kQuarter, NV>(uk, 3);
   uk.copying_b_tiles[0] = &full_tile<Simd, MR, NV, true, false, false, true>;
   uk.copying_b_tiles[1] = &full_tile<Simd, MR, NV, false, false, false, true>;
+  uk.copying_a_tiles[0] = &full_tile<Simd, MR, NV, true, false, false, false, true>;
+  uk.copying_a_tiles[1] = &full_tile<Simd, MR, NV, true, false, false, true, true>;
   // The shallow tile: half the rows, and vectors enough for 8 sums in flight (4 cycles of FMA
   // latency, two 256-bit FMAs or one 512-bit a cycle), kShallowVectors x kHalf of them; or for 16
   // (two 512-bit FMAs a cycle), which gemm.cpp picks on such a core (with_shallow_tiles_for).
