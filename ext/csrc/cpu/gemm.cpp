@@ -472,11 +472,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   // during the first A block, the later blocks reading the copy. Measured on Zen 5 (processes
   // alternating, median of the paired ratios of the time): see ext/README.md, "B packed by its first
   // tile", for this and the next.
-  const bool copy_b_in_tiles = !read_b_in_place && !b_supplied && b_cs == 1 && !rows_outer && !shallow;
+  // (The copying tiles have no bias by row and no indexed B.)
+  const bool copy_b_in_tiles = !read_b_in_place && !b_supplied && !row_bias && b_cs == 1 && !rows_outer && !shallow;
   // Likewise a column-major A (dW's dYᵀ) is packed by the row tiles of each A block's first column
   // panel (Microkernel::copying_a_tiles), each storing its MR rows of A as it reads them in place; a
   // ragged last row panel is packed apart.
-  const bool copy_a_in_tiles = !read_a_in_place && !shared_packed_a && a_rs == 1 && !rows_outer && !shallow;
+  const bool copy_a_in_tiles =
+      !read_a_in_place && !shared_packed_a && !indexed_b && !row_bias && a_rs == 1 && !rows_outer && !shallow;
   T* packed_b = b_supplied ? const_cast<T*>(prepacked_b)
                            : t_packed_b.get<T>((read_b_in_place || pack_b_per_panel ? NR : std::min(kNC, (n1 - n0 + NR - 1) / NR * NR)) * KC);
   // A packed once for all of a ColumnChunks product (then A is one block: one ic, one pc).
