@@ -39,17 +39,13 @@ template <typename V, int Chains = kChains>
   return total[0];
 }
 
-__attribute__((target("avx2,fma"))) float fma_loop_avx2(int64_t iterations) {
+__attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations) {
   return fma_chains<__m256>(iterations);
 }
 template <int Chains = kChains>
 __attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations) {
   return fma_chains<__m512, Chains>(iterations);
 }
-
-// 4 chains are bound by the FMA's latency (4 cycles on every CPU the project ran on): one FMA a
-// cycle whatever the core has. 12 chains reach its throughput. Their rates' ratio is the FMAs the
-// core issues a cycle, whatever its clock.
 
 // Seconds per FMA of fma_chains_avx512<Chains>: the best of a few short trials (the machine is shared).
 template <int Chains>
@@ -68,6 +64,9 @@ double seconds_per_avx512_fma() {
 
 }  // namespace
 
+// 4 chains are bound by the FMA's latency (4 cycles on every CPU the project ran on): one FMA a
+// cycle whatever the core has. 12 chains reach its throughput. Their rates' ratio is the FMAs the
+// core issues a cycle, whatever its clock.
 int avx512_fmas_per_cycle() {
   static const int fmas = [] {
     if (!cpu_supports(CpuPath::Avx512)) return 0;
@@ -106,7 +105,7 @@ double measure_fma_peak_gflops(int64_t num_threads) {
   for (int trial = 0; trial < kTrials; ++trial) {
     const auto start = std::chrono::steady_clock::now();
     run_on_threads(num_threads, [&](int64_t) {
-      const float result = avx512 ? fma_chains_avx512(kIterations) : fma_loop_avx2(kIterations);
+      const float result = avx512 ? fma_chains_avx512(kIterations) : fma_chains_avx2(kIterations);
       sink = sink + result;
     });
     const double seconds =
