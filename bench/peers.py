@@ -19,8 +19,10 @@ Each library runs in a worker process of its own, because a library's idle threa
 process with another, a side ran at a third of its speed. The parent asks the workers in turn, one at a time,
 in an order that rotates each round, and pauses between them (PAUSE_S) so that the last one's spinning
 threads have gone to sleep. A side's time is the median of its rounds' medians; ext/best is the best peer's
-time over ext's (above 1: ext is faster), with its range over the rounds; % of peak is ext's share of the
-FMA peak ext measures on this machine (the highest reading, taken before the first shape and after each).
+time over ext's (above 1: ext is faster), with its range over the rounds. % of peak is ext's share of the
+FMA peak ext measures on this machine, read by ext's worker right after each of its rounds: each round's time
+against the reading of the same moment, the median over rounds with its range. A shared machine's slow
+moments then slow both, rather than a product timed in one counting against a peak read in another.
 Each side's call alone is timed too, as the products of a 1x1->1 layer, and a product behind its best peer is
 compared again net of each side's call: for a product of a few microseconds, how fast each side computes.
 """
@@ -165,13 +167,14 @@ class Worker:
 
     def answer(self, request):
         self.set_threads(request["threads"])
-        if request.get("peak"):
-            import torch
-            return {"peak_gflops": torch.ops.ext.fma_peak_gflops(request["threads"])}
         shape = tuple(request["shape"])
         if shape not in self.calls:
             self.calls = {shape: calls(self.library, shape)}
-        return {"seconds": block_times(self.calls[shape][request["product"]], request["min_run_time"])[0]}
+        answer = {"seconds": block_times(self.calls[shape][request["product"]], request["min_run_time"])[0]}
+        if request.get("then_peak"):  # the FMA peak of the same moment (ext's own probe, ~0.05 s)
+            import torch
+            answer["peak_gflops"] = torch.ops.ext.fma_peak_gflops(request["threads"])
+        return answer
 
 
 def worker_main(library):
@@ -217,7 +220,7 @@ class PeerRow:
     product: str
     seconds: dict  # library -> median of its round medians
     round_seconds: dict  # library -> each round's median
-    peak_gflops: float = 0.0
+    round_peaks: list  # the FMA peak (GFLOP/s) read right after each of ext's rounds
 
     @property
     def flops(self):
@@ -238,8 +241,13 @@ class PeerRow:
         return [peer / ours for peer, ours in zip(self.round_seconds[self.best_peer], self.round_seconds["ext"])]
 
     @property
+    def round_peak_shares(self):
+        """ext's share of the FMA peak in each round: its time against the peak read in the same moment."""
+        return [self.flops / seconds / 1e9 / peak for seconds, peak in zip(self.round_seconds["ext"], self.round_peaks)]
+
+    @property
     def peak_share(self):
-        return self.flops / self.seconds["ext"] / 1e9 / self.peak_gflops
+        return statistics.median(self.round_peak_shares)
 
     @property
     def peak_goal_applies(self):
@@ -250,13 +258,20 @@ class PeerRow:
         gflops = [f"{self.flops / self.seconds[library] / 1e9:.0f}" for library in LIBRARIES]
         low, high = min(self.round_ratios), max(self.round_ratios)
         goal = "" if not self.peak_goal_applies else " (goal 90%)"
+        shares = self.round_peak_shares
         return [f"{m}x{k}->{n}", self.product, "x".join(map(str, gemm_dims(self.shape, self.product))),
                 f"{self.seconds['ext'] * 1e3:.3f}", *gflops, LABELS[self.best_peer], f"{self.ratio:.2f}",
-                f"{low:.2f}-{high:.2f}", f"{100 * self.peak_share:.0f}%{goal}"]
+                f"{low:.2f}-{high:.2f}", f"{percent(self.peak_share)} ({percent(min(shares))}-{percent(max(shares))}){goal}"]
+
+
+def percent(share):
+    """A share of the peak as printed: one decimal, so that 89.6% does not print as the goal's 90%."""
+    return f"{100 * share:.1f}%"
 
 
 HEADER = ["shape (batch x in->out)", "product", "M x N x K", "ext ms", "ext GFLOP/s", "torch GFLOP/s",
-          "OpenBLAS GFLOP/s", "oneDNN GFLOP/s", "best peer", "ext/best", "by round", "ext % of FMA peak"]
+          "OpenBLAS GFLOP/s", "oneDNN GFLOP/s", "best peer", "ext/best", "by round",
+          "ext % of FMA peak (by round)"]
 
 
 CALL_SHAPE = (1, 1, 1)  # a product of one multiply-add: what remains is the call itself
@@ -265,32 +280,31 @@ CALL_SHAPE = (1, 1, 1)  # a product of one multiply-add: what remains is the cal
 def measure_product(workers, shape, product, threads, min_run_time_s, rounds):
     """One product of one shape on every library, the workers asked in an order that rotates each round."""
     per_round = {library: [] for library in LIBRARIES}
+    peaks = []
     for index in range(rounds):
         order = LIBRARIES[index % len(LIBRARIES):] + LIBRARIES[:index % len(LIBRARIES)]
         for library in order:
-            times = workers[library].ask(threads=threads, shape=shape, product=product,
-                                         min_run_time=min_run_time_s)["seconds"]
-            per_round[library].append(statistics.median(times))
+            answer = workers[library].ask(threads=threads, shape=shape, product=product, min_run_time=min_run_time_s,
+                                          then_peak=library == "ext")
+            per_round[library].append(statistics.median(answer["seconds"]))
+            if library == "ext":
+                peaks.append(answer["peak_gflops"])
             time.sleep(PAUSE_S)
-    return PeerRow(shape, product, {lib: statistics.median(t) for lib, t in per_round.items()}, per_round)
+    return PeerRow(shape, product, {lib: statistics.median(t) for lib, t in per_round.items()}, per_round, peaks)
 
 
 def measure(workers, shapes, threads, min_run_time_s, rounds, progress=print):
-    """The rows of one thread count (every shape x product), each side's call alone (the products of
-    CALL_SHAPE, by product), and the FMA peak readings."""
-    peaks = [workers["ext"].ask(threads=threads, peak=True)["peak_gflops"]]
+    """The rows of one thread count (every shape x product) and each side's call alone (the products of
+    CALL_SHAPE, by product)."""
     rows = []
     for shape in shapes:
         rows += [measure_product(workers, shape, product, threads, min_run_time_s, rounds) for product in PRODUCTS]
-        peaks.append(workers["ext"].ask(threads=threads, peak=True)["peak_gflops"])
         m, k, n = shape
         progress(f"{m}x{k}->{n}: ext/best peer " + ", ".join(f"{r.product} {r.ratio:.2f} ({LABELS[r.best_peer]})"
                                                              for r in rows[-len(PRODUCTS):]))
     calls = {product: measure_product(workers, CALL_SHAPE, product, threads, min_run_time_s, rounds)
              for product in PRODUCTS}
-    for row in rows:
-        row.peak_gflops = max(peaks)
-    return rows, calls, peaks
+    return rows, calls
 
 
 def geomean(values):
@@ -332,7 +346,7 @@ def summary_lines(rows, calls):
     short = [row for row in rows if row.peak_goal_applies and row.peak_share < PEAK_GOAL]
     applies = sum(row.peak_goal_applies for row in rows)
     lines.append(f"{applies - len(short)} of the {applies} products with M, N >= 128 and K >= 256 reach 90% of peak"
-                 + (": not " + ", ".join(f"{row.cells()[0]} {row.product} {100 * row.peak_share:.0f}%"
+                 + (": not " + ", ".join(f"{row.cells()[0]} {row.product} {percent(row.peak_share)}"
                                          for row in short) if short else ""))
     return lines
 
@@ -345,11 +359,12 @@ def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
         print(f"sides, each in its own process: {sides}")
         markdown += [f"Sides, each in its own process: {sides}.", ""]
         for threads in thread_counts:
-            rows, calls, peaks = measure(workers, shapes, threads, min_run_time_s, rounds,
-                                         progress=lambda line: print(line, file=sys.stderr, flush=True))
-            title = (f"CPU, {threads} thread{'s' if threads != 1 else ''}: ext against the best peer (measured FMA "
-                     f"peak {max(peaks):.0f} GFLOP/s: the highest of {len(peaks)} readings, the lowest "
-                     f"{min(peaks):.0f})")
+            rows, calls = measure(workers, shapes, threads, min_run_time_s, rounds,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+            peaks = [peak for row in rows for peak in row.round_peaks]
+            title = (f"CPU, {threads} thread{'s' if threads != 1 else ''}: ext against the best peer (FMA peak "
+                     f"read after each of ext's rounds: {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s, median "
+                     f"{statistics.median(peaks):.0f})")
             table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
             table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
             summary = summary_lines(rows, calls)

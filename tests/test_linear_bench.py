@@ -3,8 +3,10 @@ import argparse
 import mmap
 import os
 import re
+import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -219,13 +221,32 @@ def test_the_openblas_side_runs_without_the_variables_that_slow_it(monkeypatch):
 def test_a_peer_row_compares_ext_with_the_fastest_peer_round_by_round():
     seconds = {"ext": [1.0, 2.0, 1.0], "torch": [1.5, 1.5, 1.5], "openblas": [1.2, 1.2, 3.0], "onednn": [9, 9, 9]}
     row = peers.PeerRow((128, 512, 256), "dX", {side: sorted(times)[1] for side, times in seconds.items()}, seconds,
-                        peak_gflops=100.0)
+                        [100.0, 50.0, 80.0])
     assert row.best_peer == "openblas" and row.ratio == 1.2 / 1.0
     assert row.round_ratios == [1.2, 0.6, 3.0]
     assert peers.gemm_dims((128, 512, 256), "dX") == (128, 512, 256) and row.peak_goal_applies
-    assert row.peak_share == pytest.approx(2 * 128 * 512 * 256 / 1.0 / 1e9 / 100.0)
-    dw = peers.PeerRow((64, 256, 128), "dW", row.seconds, seconds, peak_gflops=100.0)
+    dw = peers.PeerRow((64, 256, 128), "dW", row.seconds, seconds, [100.0] * 3)
     assert peers.gemm_dims((64, 256, 128), "dW") == (128, 256, 64) and not dw.peak_goal_applies  # K = batch 64
+
+
+def test_the_share_of_peak_is_each_rounds_time_against_the_peak_read_in_the_same_moment():
+    """Round 2 ran at half speed while the peak read half too: the same share as round 1, not half of it."""
+    flops = 2 * 128 * 512 * 256
+    ext = [flops / 90e9, flops / 45e9, flops / 80e9]  # 90, 45 and 80 GFLOP/s
+    seconds = {"ext": ext, "torch": [1.0] * 3, "openblas": [1.0] * 3, "onednn": [1.0] * 3}
+    row = peers.PeerRow((128, 512, 256), "dX", {side: statistics.median(t) for side, t in seconds.items()}, seconds,
+                        [100.0, 50.0, 100.0])
+    assert row.round_peak_shares == pytest.approx([0.9, 0.9, 0.8])
+    assert row.peak_share == pytest.approx(0.9)  # against the highest reading (100) the median time reads 80%
+    assert row.cells()[-1] == "90.0% (80.0%-90.0%) (goal 90%)"
+    # one decimal, so that a share just under the goal does not print as the goal
+    assert peers.percent(0.8996) == "90.0%" and peers.percent(0.8994) == "89.9%"
+    short = replace(row, round_peaks=[100.0, 50.0, 100.5])  # shares 0.9, 0.9, 0.796: still 90%
+    assert peers.summary_lines([short], {p: row for p in peers.PRODUCTS})[-1] == (
+        "1 of the 1 products with M, N >= 128 and K >= 256 reach 90% of peak")
+    slow = replace(row, round_peaks=[101.0, 50.5, 101.0])  # 89.1% in the median round: short of the goal
+    assert peers.summary_lines([slow], {p: row for p in peers.PRODUCTS})[-1] == (
+        "0 of the 1 products with M, N >= 128 and K >= 256 reach 90% of peak: not 128x512->256 dX 89.1%")
 
 
 def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_path, capsys):
@@ -242,6 +263,8 @@ def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_pa
         cells = row.strip("| ").split(" | ")
         assert all(float(cells[index]) > 0 for index in range(4, 8))  # GFLOP/s of ext and the three peers
         assert cells[8] in ("torch", "OpenBLAS", "oneDNN")
+        assert re.fullmatch(r"\d+\.\d% \(\d+\.\d%-\d+\.\d%\)", cells[11])  # % of peak, its range over rounds
+    assert re.search(r"FMA peak read after each of ext's rounds: \d+-\d+ GFLOP/s, median \d+\)", text)
     assert "- geomean ext/best peer over 3 products:" in text
     (calls,) = [line for line in text.splitlines() if line.startswith("- the call alone (a 1x1->1 product")]
     for label in ("ext", "torch", "OpenBLAS", "oneDNN"):  # each side's forward / dX / dW, in µs
@@ -254,7 +277,7 @@ def test_a_product_behind_its_peer_is_also_compared_net_of_each_sides_call():
     same 3.1 µs of work each (1.00x net of the calls)."""
     def row(shape, ext, openblas, others=9.0):
         seconds = {"ext": ext * 1e-6, "torch": others * 1e-6, "openblas": openblas * 1e-6, "onednn": others * 1e-6}
-        return peers.PeerRow(shape, "dX", seconds, {side: [t] for side, t in seconds.items()}, peak_gflops=100.0)
+        return peers.PeerRow(shape, "dX", seconds, {side: [t] for side, t in seconds.items()}, [100.0])
 
     head = row((128, 256, 10), 4.7, 3.8)
     calls = {product: row(peers.CALL_SHAPE, 1.6, 0.7) for product in peers.PRODUCTS}
