@@ -31,6 +31,9 @@ import torch
 
 repo, event, at_call = sys.argv[1], sys.argv[2], int(sys.argv[3])
 sys.argv = [os.path.join(repo, "train.py"), *sys.argv[4:]]
+# Ctrl-C as a terminal's foreground process gets it: a test runner started in the background
+# (`cmd &` in a script) passes SIGINT on ignored, and Python then installs no handler for it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, repo)
 calls = 0
 
