@@ -265,8 +265,9 @@ class PeerRow:
 
 
 def percent(share):
-    """A share of the peak as printed: one decimal, so that 89.6% does not print as the goal's 90%."""
-    return f"{100 * share:.1f}%"
+    """A share of the peak as printed: to a tenth of a percent, rounded down, so that a share short of the
+    goal (89.96%) never prints as the goal's 90.0%."""
+    return f"{math.floor(share * 1000 + 1e-9) / 10:.1f}%"
 
 
 HEADER = ["shape (batch x in->out)", "product", "M x N x K", "ext ms", "ext GFLOP/s", "torch GFLOP/s",

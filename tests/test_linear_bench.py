@@ -239,8 +239,9 @@ def test_the_share_of_peak_is_each_rounds_time_against_the_peak_read_in_the_same
     assert row.round_peak_shares == pytest.approx([0.9, 0.9, 0.8])
     assert row.peak_share == pytest.approx(0.9)  # against the highest reading (100) the median time reads 80%
     assert row.cells()[-1] == "90.0% (80.0%-90.0%) (goal 90%)"
-    # one decimal, so that a share just under the goal does not print as the goal
-    assert peers.percent(0.8996) == "90.0%" and peers.percent(0.8994) == "89.9%"
+    # a tenth of a percent, rounded down: a share just under the goal never prints as the goal
+    assert [peers.percent(s) for s in (0.8996, 0.8994, 0.9, 0.9004, 1.4409)] == ["89.9%", "89.9%", "90.0%", "90.0%",
+                                                                                 "144.0%"]
     short = replace(row, round_peaks=[100.0, 50.0, 100.5])  # shares 0.9, 0.9, 0.796: still 90%
     assert peers.summary_lines([short], {p: row for p in peers.PRODUCTS})[-1] == (
         "1 of the 1 products with M, N >= 128 and K >= 256 reach 90% of peak")
