@@ -87,12 +87,21 @@ def table(rows, packed, peak_gflops) -> list[str]:
 
 def tile_shapes(sizes) -> list[tuple[str, int, int]]:
     """(tile, vectors, columns) for each of the path's wide and many-rows tiles and each of its vector counts,
-    widest first; the narrow tile is the wide one's single vector on every path."""
+    widest first; the narrow tile is the wide one's single vector on every path. After the wide tile's single
+    vector, the tile that runs a one-vector panel two row tiles at a time (A read in place)."""
     shapes = []
     for tile in ("wide", "many_rows"):
         for vectors in range(sizes[f"{tile}_nr"] // sizes["lanes"], 0, -1):
             shapes.append((tile, vectors, vectors * sizes["lanes"]))
+        if tile == "wide":
+            shapes.append(("one_vector", 1, sizes["lanes"]))
     return shapes
+
+
+def tile_label(sizes, tile: str, vectors: int, columns: int) -> str:
+    if tile == "one_vector":
+        return f"{sizes['one_vector_mr']}x{columns} (two wide row tiles on 1 of {sizes['wide_nr'] // sizes['lanes']} vectors)"
+    return f"{sizes[f'{tile}_mr']}x{columns} ({tile.replace('_', ' ')}, {vectors} of {sizes[f'{tile}_nr'] // sizes['lanes']} vectors)"
 
 
 def k_blocks(shapes, sizes) -> list[int]:
@@ -109,9 +118,7 @@ def measure_tiles(sizes, depths, threads, rounds) -> list[tuple[str, list[float]
         for (tile, vectors, _), row in zip(shapes, best):
             for i, kc in enumerate(depths):
                 row[i] = max(row[i], torch.ops.ext.tile_gflops(tile, vectors, kc, threads))
-    return [(f"{sizes[f'{tile}_mr']}x{columns} ({tile.replace('_', ' ')}, {vectors} of "
-             f"{sizes[f'{tile}_nr'] // sizes['lanes']} vectors)", row)
-            for (tile, vectors, columns), row in zip(shapes, best)]
+    return [(tile_label(sizes, tile, vectors, columns), row) for (tile, vectors, columns), row in zip(shapes, best)]
 
 
 def tile_table(measured, depths, peak_gflops) -> list[str]:

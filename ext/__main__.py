@@ -20,7 +20,8 @@ def _block_sizes_text() -> str:
     b = torch.ops.ext.cpu_block_sizes(torch.ops.ext.cpu_path(), "float32")
     tall = "" if b["tall_mr"] == b["wide_mr"] else f", {b['tall_mr']}x{b['tall_nr']} for {b['tall_mr']} rows"
     return (f"float32 tile {b['wide_mr']}x{b['wide_nr']} ({b['many_rows_mr']}x{b['many_rows_nr']} from "
-            f"{b['many_rows_min_rows']} rows{tall}), KC {b['kc']} (one block up to {b['max_single_k_block']}), "
+            f"{b['many_rows_min_rows']} rows{tall}, {b['one_vector_mr']}x{b['lanes']} for a last panel of one "
+            f"vector), KC {b['kc']} (one block up to {b['max_single_k_block']}), "
             f"MC {b['mc']}, NC {b['nc']}, for L1d {b['l1d_bytes'] // 1024} KiB and L2 {b['l2_bytes'] // 1024} KiB "
             f"per core; the forward as Yᵀ = W·Xᵀ from {b['transposed_min_rows']} rows where "
             f"in·(out − batch) > {b['transposed_c_cost']}·batch·out; up to K = {b['max_shallow_depth']}, "

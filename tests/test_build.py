@@ -163,8 +163,9 @@ def test_python_m_ext_reports_the_build(built_root):
     assert report["CPU blocking"].startswith(f"float32 tile {sizes['wide_mr']}x{sizes['wide_nr']} ")
     assert f"KC {sizes['kc']} " in report["CPU blocking"] and f"MC {sizes['mc']}," in report["CPU blocking"]
     assert f"Yᵀ = W·Xᵀ from {sizes['transposed_min_rows']} rows where" in report["CPU blocking"]
-    tall = f", {sizes['tall_mr']}x{sizes['tall_nr']} for {sizes['tall_mr']} rows)"  # only where it is a tile of its own
+    tall = f", {sizes['tall_mr']}x{sizes['tall_nr']} for {sizes['tall_mr']} rows,"  # only where it is a tile of its own
     assert (tall in report["CPU blocking"]) == (sizes["tall_mr"] != sizes["wide_mr"])
+    assert f", {sizes['one_vector_mr']}x{sizes['lanes']} for a last panel of one vector), " in report["CPU blocking"]
     assert (f"up to K = {sizes['max_shallow_depth']}, operands read in place, rows in panels of "
             f"{sizes['shallow_mr']}x{sizes['shallow_nr']} tiles") in report["CPU blocking"]
     assert re.fullmatch(r"\d+ GFLOP/s float32 on \d+ threads \(measured now\)|n/a .*", report["FMA peak"])

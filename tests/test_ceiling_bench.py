@@ -22,6 +22,7 @@ def test_ceiling_bench_prints_the_tiles_and_both_layouts_per_shape_and_writes_ma
     wide, many = sizes["wide_nr"] // sizes["lanes"], sizes["many_rows_nr"] // sizes["lanes"]
     assert [row[0].strip() for row in tiles] == (
         [f"{sizes['wide_mr']}x{v * sizes['lanes']} (wide, {v} of {wide} vectors)" for v in range(wide, 0, -1)]
+        + [f"{sizes['one_vector_mr']}x{sizes['lanes']} (two wide row tiles on 1 of {wide} vectors)"]
         + [f"{sizes['many_rows_mr']}x{v * sizes['lanes']} (many rows, {v} of {many} vectors)"
            for v in range(many, 0, -1)])
     assert all(len(row) == 7 and float(row[1]) > 0 and row[2].strip().endswith("%") for row in tiles)

@@ -102,6 +102,12 @@ def boundary_shapes(path, dtype):
     tall_mr, tall_nr = b["tall_mr"], b["tall_nr"]
     shapes += [(tall_mr, n, k) for n in (tall_nr - 1, tall_nr + lanes + 1) for k in (5, two_k_blocks)]
     shapes += [(m, tall_mr, k) for m in (5, tall_mr, two_k_blocks) for k in (tall_nr + 1, 2 * tall_nr + lanes)]
+    # A one-vector column panel with A read in place (a narrow product; a wide one's last panel, whole and
+    # ragged) runs two row tiles at a time: rows on each side of that tile's and of its multiples, K in one
+    # block and in two (then C is added and prefetched).
+    for tile_mr, n in ((b["narrow_one_vector_mr"], narrow_nr - 1), (b["narrow_one_vector_mr"], narrow_nr),
+                       (b["one_vector_mr"], nr + lanes), (b["one_vector_mr"], nr + lanes - 3)):
+        shapes += [(m, n, k) for m in (tile_mr - 1, tile_mr, tile_mr + 1, 2 * tile_mr + mr + 3) for k in (5, two_k_blocks)]
     # Ragged last column panels: each whole vector count below NR, and one vector plus one value.
     shapes += [(mr + 1, nr + v * lanes + extra, two_k_blocks) for v in range(1, nr // lanes) for extra in (0, 1)]
     # The many-rows tile: on each side of where it starts, its MR, NR and both of MC's edges.
@@ -665,11 +671,13 @@ def test_the_tile_alone_runs_every_tile_of_every_path(path):
             for vectors in range(1, b[f"{tile}_nr"] // b["lanes"] + 1):
                 gflops = ops.tile_gflops(tile, vectors, 16, 1)
                 assert 0 < gflops < float("inf"), (tile, vectors, gflops)
+        assert 0 < ops.tile_gflops("one_vector", 1, 16, 1) < float("inf")
         assert ops.tile_gflops("wide", 1, 8, 2) > 0
 
 
 @pytest.mark.parametrize("args, message", [
-    (("square", 1, 16, 1), "tile must be 'wide', 'narrow', 'many_rows' or 'tall'"),
+    (("square", 1, 16, 1), "tile must be 'wide', 'narrow', 'many_rows', 'tall' or 'one_vector'"),
+    (("one_vector", 2, 16, 1), "vectors must be 1 to 1 for this tile"),
     (("wide", 0, 16, 1), "vectors must be 1 to"),
     (("narrow", 2, 16, 1), "vectors must be 1 to 1 for this tile"),
     (("wide", 1, 0, 1), "kc must be 1 to 4096"),

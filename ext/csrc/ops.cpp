@@ -116,6 +116,8 @@ c10::Dict<std::string, int64_t> cpu_block_sizes(const std::string& path_name, co
                                     {"narrow_mr", b.narrow_mr}, {"narrow_nr", b.narrow_nr},
                                     {"many_rows_mr", b.many_rows_mr}, {"many_rows_nr", b.many_rows_nr},
                                     {"tall_mr", b.tall_mr}, {"tall_nr", b.tall_nr},
+                                    {"one_vector_mr", b.one_vector_mr},
+                                    {"narrow_one_vector_mr", b.narrow_one_vector_mr},
                                     {"lanes", b.lanes}, {"kc", b.kc}, {"max_single_k_block", b.max_single_k_block},
                                     {"mc", b.mc}, {"nc", b.nc}, {"single_block_bytes", b.single_block_bytes},
                                     {"many_rows_min_rows", b.many_rows_min_rows},

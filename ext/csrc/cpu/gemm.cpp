@@ -621,7 +621,28 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             b_panel(jr, std::min(NR, nc - jr), copy_in_first_tiles && nc - jr >= NR);
             const int64_t next_cols = std::min(NR, nc - jr - NR);
             const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? kc : next_cols;
-            for (int64_t ir = 0; ir < mc; ir += MR) {
+            // A one-vector panel (the last 16 columns of N = 256 or 784, or a narrow product) with A read
+            // in place runs two row tiles at a time (Microkernel::tall_one_vector_tile): 2 MR sums, where
+            // MR (8) keep two 512-bit FMAs a cycle of 4 cycles' latency busy only with no gap at all (the
+            // 8x16 tile alone 83-85% of peak on Zen 5, bench.ceiling). Measured on Zen 5 (processes
+            // alternating, 6 rounds, median of the paired ratios of the time, new / old, 1 thread and 2):
+            // forward 128x256->10 0.940 and 0.936, 128x512->10 0.931 and 0.930, 128x784->256 0.999 and
+            // 0.991, 128x256->256 0.993 (1 thread; on 2 each thread's 128 columns have no such panel);
+            // dX 128x784->256 0.992 and 0.979; the AVX2 path (forced, 1 thread) 0.997-1.015.
+            const bool tall_one_vector = read_a_in_place && tile.cols <= uk.lanes && !row_bias && !indexed_b &&
+                                         !tile.b_copy && next_runs == 0;
+            const int64_t tall_rows = uk.tall_one_vector_rows;
+            for (int64_t ir = 0; tall_one_vector && ir + tall_rows <= mc; ir += tall_rows) {
+              tile.rows = tall_rows;
+              tile.c = C + (ic + ir) * ldc + jc + jr;
+              if (tile.accumulate && ir + tall_rows < mc)  // as run_tile's next_c below
+                prefetch_tile(tile.c + tall_rows * ldc, std::min(tall_rows, mc - ir - tall_rows), tile.cols * sizeof(T),
+                              ldc * sizeof(T));
+              tile.a = a_block + ir * a_rs;
+              tile.a_row_stride = a_rs;
+              uk.tall_one_vector_tile(tile);
+            }
+            for (int64_t ir = tall_one_vector ? mc / tall_rows * tall_rows : 0; ir < mc; ir += MR) {
               if (next_runs > 0) {
                 const int64_t t = ir / MR;
                 prefetch_b_runs(b_block + (jr + NR) * b_cs, b_rs, b_cs, kc, next_cols, next_runs * t / row_tiles,
@@ -945,7 +966,8 @@ template <typename T>
 BlockSizes block_sizes(CpuPath path) {
   const Microkernels<T>& k = microkernels<T>(path);
   return {k.wide.mr,     k.wide.nr,          k.narrow.mr,     k.narrow.nr,
-          k.many_rows.mr, k.many_rows.nr,    k.tall.mr,       k.tall.nr,       k.wide.lanes,    kKC<T>,
+          k.many_rows.mr, k.many_rows.nr,    k.tall.mr,       k.tall.nr,
+          k.wide.tall_one_vector_rows, k.narrow.tall_one_vector_rows,           k.wide.lanes,    kKC<T>,
           kMaxSingleKBlock<T>, block_rows(path), kNC,          single_block_bytes(path),
           kManyRowsMinRows, kMaxRowsForBInPlace, rows_outer_max_b_bytes(), transposed_min_rows<T>(path),
           kTransposedCCost, kMaxShallowDepth, k.wide.shallow_rows, k.wide.shallow_nr, fmas_per_cycle(path),
@@ -959,18 +981,22 @@ PackedValues packed_values() {
 
 double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t kc, int64_t num_threads) {
   const Microkernels<float>& kernels = microkernels<float>(g_active_path);
-  const Microkernel<float>* uk = tile_name == "wide"        ? &kernels.wide
-                                 : tile_name == "narrow"    ? &kernels.narrow
-                                 : tile_name == "many_rows" ? &kernels.many_rows
-                                 : tile_name == "tall"      ? &kernels.tall
-                                                            : nullptr;
-  if (!uk) throw std::invalid_argument("tile must be 'wide', 'narrow', 'many_rows' or 'tall'");
-  if (vectors < 1 || vectors * uk->lanes > uk->nr)
-    throw std::invalid_argument("vectors must be 1 to " + std::to_string(uk->nr / uk->lanes) + " for this tile");
+  // "one_vector": the wide tile's two row tiles at a time on a one-vector panel (tall_one_vector_tile).
+  const bool one_vector = tile_name == "one_vector";
+  const Microkernel<float>* uk = tile_name == "wide" || one_vector ? &kernels.wide
+                                 : tile_name == "narrow"           ? &kernels.narrow
+                                 : tile_name == "many_rows"        ? &kernels.many_rows
+                                 : tile_name == "tall"             ? &kernels.tall
+                                                                   : nullptr;
+  if (!uk) throw std::invalid_argument("tile must be 'wide', 'narrow', 'many_rows', 'tall' or 'one_vector'");
+  const int64_t max_vectors = one_vector ? 1 : uk->nr / uk->lanes;
+  if (vectors < 1 || vectors > max_vectors)
+    throw std::invalid_argument("vectors must be 1 to " + std::to_string(max_vectors) + " for this tile");
   if (kc < 1 || kc > 4096) throw std::invalid_argument("kc must be 1 to 4096");
   if (num_threads < 1 || num_threads > 256) throw std::invalid_argument("num_threads must be 1 to 256");
   constexpr int64_t kRows = 128, kPanels = 6, kTrials = 7;
-  const int64_t row_tiles = kRows / uk->mr, rows = row_tiles * uk->mr, ldc = kPanels * uk->nr;
+  const int64_t tile_rows = one_vector ? uk->tall_one_vector_rows : uk->mr;
+  const int64_t row_tiles = kRows / tile_rows, rows = row_tiles * tile_rows, ldc = kPanels * uk->nr;
   // 64-byte aligned, as torch's tensors and gemm's packed panels are: C's rows start a cache line
   // (a std::vector's 147 KiB C started 16 bytes into one, and the tile read 3% slower at kc = 10).
   struct Operands {
@@ -987,7 +1013,7 @@ double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t 
     std::fill_n(o.b, b_count, 1e-3f);
     std::fill_n(o.c, c_count, 0.0f);
   }
-  const auto tile = uk->tile_unit_k_stride(uk->mr, vectors * uk->lanes);
+  const auto tile = one_vector ? uk->tall_one_vector_tile : uk->tile_unit_k_stride(uk->mr, vectors * uk->lanes);
   auto passes = [&](Operands& o, int64_t count) {  // gemm_slab's loop over one K block of a forward
     TileArgs<float> t{};
     t.kc = kc;
@@ -995,14 +1021,14 @@ double measure_tile_gflops(std::string_view tile_name, int64_t vectors, int64_t 
     t.a_k_stride = 1;
     t.b_k_stride = uk->nr;
     t.ldc = ldc;
-    t.rows = uk->mr;
+    t.rows = tile_rows;
     t.cols = vectors * uk->lanes;
     for (int64_t pass = 0; pass < count; ++pass)
       for (int64_t panel = 0; panel < kPanels; ++panel) {
         t.b = o.b + panel * kc * uk->nr;
         for (int64_t row_tile = 0; row_tile < row_tiles; ++row_tile) {
-          t.a = o.a + row_tile * uk->mr * kc;
-          t.c = o.c + row_tile * uk->mr * ldc + panel * uk->nr;
+          t.a = o.a + row_tile * tile_rows * kc;
+          t.c = o.c + row_tile * tile_rows * ldc + panel * uk->nr;
           tile(t);
         }
       }

@@ -152,6 +152,8 @@ struct BlockSizes {
   int64_t narrow_mr, narrow_nr;        // the tile for N <= narrow_nr
   int64_t many_rows_mr, many_rows_nr;  // the tile from many_rows_min_rows rows of C
   int64_t tall_mr, tall_nr;            // the tile for C of exactly tall_mr rows
+  int64_t one_vector_mr;               // rows of the tile for a one-vector column panel, A read in place
+  int64_t narrow_one_vector_mr;        // the same for the narrow tile (tall_one_vector_tile)
   int64_t lanes;                       // values per vector
   int64_t kc;                          // depth of a K block
   int64_t max_single_k_block;          // up to this K, all of K is one block

@@ -81,6 +81,11 @@ struct Microkernel {
   // Full tiles with A read in place with unit row stride (a column-major A: dW's dYᵀ) that also
   // copy A into a packed panel (TileArgs::a_copy): [0] B packed, [1] B copied too (b_copy).
   TileFn copying_a_tiles[2];
+  // A one-vector column panel (NR of `lanes`: a wide tile's last 16 columns at N = 256 or 784, or
+  // all of a narrow product) has only MR sums per tile, too few on a core that issues two 512-bit
+  // FMAs a cycle: 2 MR rows x one vector, A read in place (unit k stride), for two row tiles at once.
+  int64_t tall_one_vector_rows;
+  TileFn tall_one_vector_tile;
   int row_variant(int64_t rows) const {  // the smallest instance that covers `rows`
     int variant = 0;
     while (variant + 1 < kRowVariants && rows <= rows_of_variant[variant + 1]) ++variant;

@@ -65,6 +65,13 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
   [[maybe_unused]] T* a_copy = t.a_copy;
   const int64_t a_row_stride = kUnitRowStride ? 1 : t.a_row_stride;
   const int64_t a_k_stride = kUnitRowStride ? t.a_k_stride : 1;
+  // Rows in groups of 8, each from a base of its own (a 16-row tile: tall_one_vector_tile), so that
+  // the groups share 8 row offsets: with 16 offsets GCC ran out of registers and read them from the stack.
+  constexpr int kGroupRows = MR > 8 && MR % 8 == 0 ? 8 : MR, kGroups = MR / kGroupRows;
+  [[maybe_unused]] const T* a_groups[kGroups];
+  if constexpr (kGroups > 1)
+    _Pragma("GCC unroll 4")
+    for (int g = 0; g < kGroups; ++g) a_groups[g] = a + g * kGroupRows * a_row_stride;
 #pragma GCC unroll 4
   for (int64_t k = 0; k < t.kc; ++k) {
     V b_row[NV];
@@ -87,10 +94,14 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
     }
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
-      const V a_value = Simd::broadcast(a[i * a_row_stride]);
+      const V a_value = Simd::broadcast(kGroups == 1 ? a[i * a_row_stride]
+                                                    : a_groups[i / kGroupRows][i % kGroupRows * a_row_stride]);
       _Pragma("GCC unroll 16")
       for (int v = 0; v < NV; ++v) acc[i][v] = Simd::fma(a_value, b_row[v], acc[i][v]);
     }
+    if constexpr (kGroups > 1)
+      _Pragma("GCC unroll 4")
+      for (int g = 0; g < kGroups; ++g) a_groups[g] += a_k_stride;
     a += a_k_stride;
     b += t.b_k_stride;
   }
@@ -361,6 +372,8 @@ Microkernel<typename Simd::T> make_microkernel() {
   uk.copying_b_tiles[1] = &full_tile<Simd, MR, NV, false, false, false, true>;
   uk.copying_a_tiles[0] = &full_tile<Simd, MR, NV, true, false, false, false, true>;
   uk.copying_a_tiles[1] = &full_tile<Simd, MR, NV, true, false, false, true, true>;
+  uk.tall_one_vector_rows = 2 * MR;
+  uk.tall_one_vector_tile = &tile<Simd, 2 * MR, 1, false>;
   // The shallow tile: half the rows, and vectors enough for 8 sums in flight (4 cycles of FMA
   // latency, two 256-bit FMAs or one 512-bit a cycle), kShallowVectors x kHalf of them; or for 16
   // (two 512-bit FMAs a cycle), which gemm.cpp picks on such a core (with_shallow_tiles_for).
