@@ -623,12 +623,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? kc : next_cols;
             // A one-vector panel (the last 16 columns of N = 256 or 784, or a narrow product) with A read
             // in place runs two row tiles at a time (Microkernel::tall_one_vector_tile): 2 MR sums, where
-            // MR (8) keep two 512-bit FMAs a cycle of 4 cycles' latency busy only with no gap at all (the
-            // 8x16 tile alone 83-85% of peak on Zen 5, bench.ceiling). Measured on Zen 5 (processes
+            // MR (8) keep two 512-bit FMAs a cycle of 4 cycles' latency busy only with no gap at all (alone
+            // on Zen 5, bench.ceiling: 8x16 84-85% of peak, 16x16 89-91%). Measured on Zen 5 (processes
             // alternating, 6 rounds, median of the paired ratios of the time, new / old, 1 thread and 2):
             // forward 128x256->10 0.940 and 0.936, 128x512->10 0.931 and 0.930, 128x784->256 0.999 and
             // 0.991, 128x256->256 0.993 (1 thread; on 2 each thread's 128 columns have no such panel);
-            // dX 128x784->256 0.992 and 0.979; the AVX2 path (forced, 1 thread) 0.997-1.015.
+            // dX 128x784->256 0.992 and 0.979; after the many-rows tile (12x16), 1 thread: dX 512x784->256
+            // 0.991, forward 512x256->10 0.943; the AVX2 path (forced, 1 thread) 0.997-1.015.
             const bool tall_one_vector = read_a_in_place && tile.cols <= uk.lanes && !row_bias && !indexed_b &&
                                          !tile.b_copy && next_runs == 0;
             const int64_t tall_rows = uk.tall_one_vector_rows;
