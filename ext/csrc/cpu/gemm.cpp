@@ -537,12 +537,16 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           }
         };
         // The tile of rows ir.. (up to row_end) of the block at the current B micro-panel.
-        auto run_tile = [&](int64_t ir, int64_t jr, int64_t row_end, const T* next_c, int64_t next_rows) {
-          tile.rows = std::min(MR, row_end - ir);
+        // (tile_rows: MR, or Microkernel::tall_one_vector_rows for two whole row tiles of a one-vector panel
+        // with A read in place.)
+        auto run_tile = [&](int64_t ir, int64_t jr, int64_t row_end, const T* next_c, int64_t next_rows,
+                            int64_t tile_rows) {
+          tile.rows = std::min(tile_rows, row_end - ir);
           tile.c = C + (ic + ir) * ldc + jc + jr;
           if (row_bias) tile.row_bias = pc == 0 ? row_bias + ic + ir : nullptr;
           if (next_c) prefetch_tile(next_c, next_rows, tile.cols * sizeof(T), ldc * sizeof(T));
           auto run = [&](bool unit_row_stride) {
+            if (tile.rows > MR) return uk.tall_one_vector_tile(tile);
             if (tile.a_copy) return uk.copying_a_tiles[tile.b_copy ? 1 : 0](tile);
             if (tile.b_copy) return uk.copying_b_tiles[unit_row_stride ? 0 : 1](tile);
             if (indexed_b) return uk.tile_indexed_b(unit_row_stride, tile.rows, tile.cols)(tile);
@@ -564,7 +568,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             }
             run(true);
             tile.a_copy = nullptr;
-          } else if (tile.rows == MR) {
+          } else if (tile.rows >= MR) {
             tile.a = a_block + ir * a_rs;
             tile.a_row_stride = a_rs;
             run(false);
@@ -599,13 +603,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             }
             if (whole_columns < nc) {
               b_panel(whole_columns, nc - whole_columns);
-              for (int64_t ir = 0; ir < panel_rows_end; ir += MR) run_tile(ir, whole_columns, panel_rows_end, nullptr, 0);
+              for (int64_t ir = 0; ir < panel_rows_end; ir += MR) run_tile(ir, whole_columns, panel_rows_end, nullptr, 0, MR);
             }
           }
           for (int64_t ir = panel_rows_end; ir < mc; ir += MR)
             for (int64_t jr = 0; jr < nc; jr += NR) {
               b_panel(jr, std::min(NR, nc - jr));
-              run_tile(ir, jr, mc, nullptr, 0);
+              run_tile(ir, jr, mc, nullptr, 0, MR);
             }
         } else {
           // A B packed a micro-panel at a time: each row tile also asks for its share of the next
@@ -632,18 +636,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             // 0.991, forward 512x256->10 0.943; the AVX2 path (forced, 1 thread) 0.997-1.015.
             const bool tall_one_vector = read_a_in_place && tile.cols <= uk.lanes && !row_bias && !indexed_b &&
                                          !tile.b_copy && next_runs == 0;
-            const int64_t tall_rows = uk.tall_one_vector_rows;
-            for (int64_t ir = 0; tall_one_vector && ir + tall_rows <= mc; ir += tall_rows) {
-              tile.rows = tall_rows;
-              tile.c = C + (ic + ir) * ldc + jc + jr;
-              if (tile.accumulate && ir + tall_rows < mc)  // as run_tile's next_c below
-                prefetch_tile(tile.c + tall_rows * ldc, std::min(tall_rows, mc - ir - tall_rows), tile.cols * sizeof(T),
-                              ldc * sizeof(T));
-              tile.a = a_block + ir * a_rs;
-              tile.a_row_stride = a_rs;
-              uk.tall_one_vector_tile(tile);
-            }
-            for (int64_t ir = tall_one_vector ? mc / tall_rows * tall_rows : 0; ir < mc; ir += MR) {
+            for (int64_t ir = 0, rows; ir < mc; ir += rows) {
+              rows = tall_one_vector && ir + uk.tall_one_vector_rows <= mc ? uk.tall_one_vector_rows : MR;
               if (next_runs > 0) {
                 const int64_t t = ir / MR;
                 prefetch_b_runs(b_block + (jr + NR) * b_cs, b_rs, b_cs, kc, next_cols, next_runs * t / row_tiles,
@@ -656,8 +650,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
               // dW 128x2048->1000 (ldc 8 KiB, K = 128) 3153 -> 2944 us (torch
               // 2794-2799), 1024^3 unchanged or a little faster (dX 11768 ->
               // 11653 us), dW 128x784->256 and dX 128x784->256 unchanged.
-              const T* next_c = ir + MR < mc && tile.accumulate ? C + (ic + ir + MR) * ldc + jc + jr : nullptr;
-              run_tile(ir, jr, mc, next_c, std::min(MR, mc - ir - MR));
+              const T* next_c = ir + rows < mc && tile.accumulate ? C + (ic + ir + rows) * ldc + jc + jr : nullptr;
+              run_tile(ir, jr, mc, next_c, std::min(rows, mc - ir - rows), rows);
               if (tile.b_copy) {  // the panel is packed now: the other row tiles read it
                 tile.b = packed_b_panel(jr);
                 tile.b_k_stride = NR;
