@@ -30,9 +30,12 @@ inline void store(typename Simd::T* p, typename Simd::V v) {
 // k loop, for a tile whose MR rows and NR columns all exist (edge tiles: `tile`).
 // kUnitRowStride picks the A addressing at compile time so the packed case (the
 // hot one) has no stride multiplies; kIndexedB the B addressing.
+// full_tile_at takes the tile's A, B, C and bias as arguments, in registers, and everything else from t;
+// full_tile takes them from t (below).
 template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias, bool kCopyB = false,
           bool kCopyA = false>
-void full_tile(const TileArgs<typename Simd::T>& t) {
+void full_tile_at(const TileArgs<typename Simd::T>& t, const typename Simd::T* a, const typename Simd::T* b,
+                  typename Simd::T* c, const typename Simd::T* bias) {
   static_assert(!kCopyA || kUnitRowStride, "A is copied from unit row stride only");
   using T = typename Simd::T;
   using V = typename Simd::V;
@@ -57,10 +60,8 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
       if constexpr (kRowBias)
         acc[i][v] = t.accumulate ? V{} : Simd::broadcast(t.row_bias[i]);
       else
-        acc[i][v] = !t.accumulate && t.bias ? load<Simd>(t.bias + v * W) : V{};
+        acc[i][v] = !t.accumulate && bias ? load<Simd>(bias + v * W) : V{};
 
-  const T* a = t.a;
-  const T* b = t.b;
   [[maybe_unused]] T* b_copy = t.b_copy;
   [[maybe_unused]] T* a_copy = t.a_copy;
   const int64_t a_row_stride = kUnitRowStride ? 1 : t.a_row_stride;
@@ -112,7 +113,6 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
   // outputs, rms error relative to float64, one chain -> blocked): K = 4096 1.14e-6 ->
   // 4.1e-7, K = 65536 4.6e-6 -> 4.7e-7 (torch 3.5e-7, 3.9e-7); speed unchanged or up
   // to 0.7% faster (1 thread, 1024^3 and 2048^3, forward, dX and dW).
-  T* c = t.c;
   const int64_t ldc = t.ldc;
   const bool accumulate = t.accumulate, relu = t.relu;
   _Pragma("GCC unroll 16")
@@ -124,6 +124,12 @@ void full_tile(const TileArgs<typename Simd::T>& t) {
       if (relu) value = value < V{} ? V{} : value;  // NaN stays NaN, as in torch.relu
       store<Simd>(c + v * W, value);
     }
+}
+
+template <class Simd, int MR, int NV, bool kUnitRowStride, bool kIndexedB, bool kRowBias, bool kCopyB = false,
+          bool kCopyA = false>
+void full_tile(const TileArgs<typename Simd::T>& t) {
+  full_tile_at<Simd, MR, NV, kUnitRowStride, kIndexedB, kRowBias, kCopyB, kCopyA>(t, t.a, t.b, t.c, t.bias);
 }
 
 // Any tile: a full one directly; an edge tile through a full-size local tile, so
@@ -171,24 +177,25 @@ void tile(const TileArgs<typename Simd::T>& t) {
 // 4 x 2 114, 4 x 3 112, 4 x 4 108, 8 x 1 112; at K = 32 all within 2%. Run by gemm_slab a
 // tile at a time (each tile's arguments and tile-table lookup), the 4 x 2 tiles took dX
 // 128x512->10 0.94 of the wide tiles' time (processes alternating); as one call a panel, 0.89.
+// Each tile gets its column's B, C and bias as arguments (shallow_tile), not as fields of a
+// TileArgs stored between tiles: at K = 10 a tile's 16 stores of C are a large part of it, and
+// the next tile's fields, stored behind them, held it up. Measured on Zen 5 (1 thread): the 4 x 4
+// panels of 128 x 256 of C at K = 10 alone (a standalone loop, best of 15 x 2000 runs) 3.16 -> 2.73
+// us; the 8x48 tile at K = 256 and 784 the same either way. dX, processes alternating, medians of
+// 6-10 rounds over three runs, new / old: 128x256->10 0.94-0.97, 128x512->10 0.94-1.04,
+// 128x784->10 0.90-1.03; 2 threads 0.97 and 0.99.
+template <class Simd, int R, int NV>
+inline void shallow_tile(const TileArgs<typename Simd::T>& t, int64_t column) {
+  full_tile_at<Simd, R, NV, false, false, false>(t, t.a, t.b + column, t.c + column,
+                                                 t.bias ? t.bias + column : nullptr);
+}
+
 template <class Simd, int R, int NV>
 void shallow_row_panel(const TileArgs<typename Simd::T>& t) {
   constexpr int W = Simd::kLanes;
-  TileArgs<typename Simd::T> part = t;
   int64_t j = 0;
-  auto at_column = [&](int64_t column) {
-    part.b = t.b + column;
-    part.c = t.c + column;
-    part.bias = t.bias ? t.bias + column : nullptr;
-  };
-  for (; j + NV * W <= t.cols; j += NV * W) {
-    at_column(j);
-    full_tile<Simd, R, NV, false, false, false>(part);
-  }
-  for (; j < t.cols; j += W) {
-    at_column(j);
-    full_tile<Simd, R, 1, false, false, false>(part);
-  }
+  for (; j + NV * W <= t.cols; j += NV * W) shallow_tile<Simd, R, NV>(t, j);
+  for (; j < t.cols; j += W) shallow_tile<Simd, R, 1>(t, j);
 }
 
 // dst = srcᵀ (rows x cols of src): Simd::transpose's blocks in squares of whole 64-byte cache
