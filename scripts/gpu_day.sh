@@ -4,7 +4,8 @@
 # bench.linear's CUDA tables against cuBLAS (float32, float32 with TF32, bfloat16; the MLP shapes
 # and 4096^3, with issue 24's goals), bench.conv's against cuDNN (float32, bfloat16: the ResNet
 # shapes), Nsight Compute's reading of the 4096^3 forward's kernel in float32 and bfloat16 (where ncu
-# is installed), and the whole MLP training step on the GPU, float32 and under autocast
+# is installed), the whole MLP training step on the GPU, float32 (torch.compile'd nn.Linear as a third
+# side) and under autocast, and the whole ResNet-18 step with conv=custom, float32 and under autocast
 # (bench.train), and writes it all into one markdown report. A failing step is reported and the
 # next one still runs; the exit status is 1 if any step failed.
 #
@@ -21,7 +22,9 @@
 #
 # A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
 # needs. Fetch it beforehand where pip works, into .whl/ (git-ignored), and carry .whl:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1 \
+#       hydra-submitit-launcher==1.2.0 submitit==1.5.4   # without these two Hydra warns at each start that
+#                                                        # our SLURM launcher plugin cannot be imported
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3    # PyPI has only its sdist
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,7 +80,10 @@ step() {
 # on a GPU 0.03 s blocks hold thousands of the small products' calls.
 timing=(--min-run-time 0.03 --rounds 3)
 epochs=(--epochs 3 --train-size 60000)
-if [[ ${QUICK:-0} == 1 ]]; then timing=(--quick); epochs=(--epochs 2 --train-size 10000); fi
+resnet_epochs=(--epochs 3 --train-size 12800)
+if [[ ${QUICK:-0} == 1 ]]; then
+  timing=(--quick); epochs=(--epochs 2 --train-size 10000); resnet_epochs=(--epochs 2 --train-size 2560)
+fi
 
 step build "$PYTHON" -m ext
 [[ ${CHECK_CUDA:-1} == 0 ]] || step check_cuda env PYTHON="$PYTHON" bash .ci/check_cuda.sh
@@ -94,8 +100,15 @@ if command -v ncu >/dev/null; then
   done
 fi
 if "$PYTHON" -c "import hydra" 2>/dev/null; then
-  step bench_train_float32 "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_float32.md"
+  step bench_train_float32 "$PYTHON" -m bench.train "${epochs[@]}" --compiled-torch \
+      --markdown "$LOGS/bench_train_float32.md"
   step bench_train_amp "$PYTHON" -m bench.train "${epochs[@]}" --markdown "$LOGS/bench_train_amp.md" trainer.amp=true
+  # The whole ResNet-18 step (CIFAR-size images) with its convolutions on ours too: the comparison a user
+  # runs with model=resnet18 conv=custom.
+  step bench_train_resnet18 "$PYTHON" -m bench.train --conv "${resnet_epochs[@]}" \
+      --markdown "$LOGS/bench_train_resnet18.md" model=resnet18 'data.image_size=[3,32,32]'
+  step bench_train_resnet18_amp "$PYTHON" -m bench.train --conv "${resnet_epochs[@]}" \
+      --markdown "$LOGS/bench_train_resnet18_amp.md" model=resnet18 'data.image_size=[3,32,32]' trainer.amp=true
 else
   echo "## bench_train: skipped (no hydra-core, and no wheels for it in .whl/: see scripts/gpu_day.sh)" >> "$REPORT"
   failed+=(bench_train)
