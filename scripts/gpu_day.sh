@@ -22,9 +22,7 @@
 #
 # A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
 # needs. Fetch it beforehand where pip works, into .whl/ (git-ignored), and carry .whl:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1 \
-#       hydra-submitit-launcher==1.2.0 submitit==1.5.4   # without these two Hydra warns at each start that
-#                                                        # our SLURM launcher plugin cannot be imported
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1
 #   python3 -m pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3    # PyPI has only its sdist
 set -uo pipefail
 cd "$(dirname "$0")/.."

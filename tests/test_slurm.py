@@ -234,3 +234,35 @@ def test_a_slurm_sweep_on_a_machine_without_sbatch_is_one_line_before_any_run_fo
         "sweep from a cluster's login node, or drop hydra/launcher to run it here"]
     assert not (tmp_path / "outputs").exists()
     assert shutil.which("sbatch", path=str(Path(sys.executable).parent)) is None
+
+
+# train.py with the submitit plugin (and submitit) hidden, as on a machine that installed only part of
+# requirements.txt
+WITHOUT_SUBMITIT = """
+import importlib.abc, runpy, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "submitit" or name.startswith(("submitit.", "hydra_plugins.hydra_submitit_launcher")):
+            raise ImportError(f"{name} is hidden by the test")
+sys.meta_path.insert(0, Hide())
+sys.path.insert(0, sys.argv[1])
+sys.argv = [sys.argv[1] + "/train.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_without_submitit(tmp_path, *arguments):
+    return subprocess.run([sys.executable, "-c", WITHOUT_SUBMITIT, str(REPO), *arguments], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_without_the_submitit_plugin_runs_start_without_a_warning_and_a_slurm_sweep_is_one_line(tmp_path):
+    shown = run_without_submitit(tmp_path, "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr
+    assert "linear:" in shown.stdout and shown.stderr == ""  # no "Error importing ... slurm_launcher" warning
+    swept = run_without_submitit(tmp_path, "-m", "hydra/launcher=slurm", "linear=torch")
+    assert swept.returncode == 2
+    assert error_lines(swept.stderr) == [
+        "error: hydra/launcher=slurm and slurm_gpu need the submitit plugin: "
+        "pip install 'hydra-submitit-launcher>=1.2,<1.3' (requirements.txt)"]
+    assert not (tmp_path / "outputs").exists()
