@@ -15,9 +15,9 @@
 #               CHECK_CUDA=0, the build 53 s of it, before the ncu steps were added)
 #   CHECK_CUDA=0  skip .ci/check_cuda.sh (static, needs no GPU: run it beforehand where device time is free)
 #   STEP_TIMEOUT  seconds after which a step is stopped and reported failed (default: none)
-#               (on an H100 with 16 host CPUs, 2026-11-28: bench.linear about 75 s a table, three tables;
-#               bench.conv about 100 s a table, two. Both timed with torch.utils.benchmark then, whose
-#               blocks grew tenfold at a time; their own blocks since halved a CPU run, not yet timed on a GPU)
+#               (on an H200 with 16 host CPUs, 2026-11-28, CHECK_CUDA=0: 218 s in all, the build 62 s,
+#               bench.linear 37 s, bench.conv 44 s, each MLP step about 18 s, before the torch.compile side
+#               (about 50 s more) and the ResNet-18 steps (about 35 s each) were added)
 # Each step's whole output goes to REPORT's sibling *_logs.txt; the report keeps its tail.
 #
 # A machine without a package registry (the device tool's) lacks hydra-core, which bench.train
