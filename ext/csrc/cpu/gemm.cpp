@@ -794,7 +794,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // vectors of 16, 496 + 504). Each thread computes its slab a column panel at a
   // time, then takes the panels still left in the others: on a shared machine one
   // core may run slower for a while, and the other then finishes its slab rather
-  // than wait (where ColumnChunks cuts a slab: not when its rows make several blocks).
+  // than wait (where ColumnChunks cuts a slab: not when its rows make several blocks, unless A
+  // is read in place and takes under half of L2).
   // Measured (2 threads, forward, single calls alternating with whole slabs, median of
   // the paired ratios, while one vCPU ran slow): 128x256->256 0.880, 128x2048->1000
   // 0.964, 128x784->256 0.995, 512x256->256 1.004; with the machine quiet,
@@ -861,14 +862,20 @@ ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64
   // One chunk when A's rows make more than one block of gemm_slab (each chunk would run the
   // row blocks again, and re-read or re-pack all of A), when a packed A is deeper than one K
   // block (each chunk would pack it again), and when gemm_slab writes C row after row (chunks
-  // would cut the rows into strips again).
+  // would cut the rows into strips again). An A read in place that takes under half of L2 is
+  // cut all the same: each chunk re-reads it from L2, which costs nothing a panel of B does not
+  // already pay. Measured on Zen 5 (2 threads, processes alternating, 6 rounds, new / old time):
+  // forward 128x784->256 (A 392 KiB, 120 + 8 rows) 0.97-1.00, its 12% of samples in libgomp's
+  // waits with each thread's 128 columns one chunk; 200x600->300 0.99-1.00; at half of L2
+  // (512x256->256, forward and dX) 1.00-1.01 slower, hence under half.
   const bool packs_a = !reads_a_in_place(a_col_stride);
   const int64_t KC = K <= kMaxSingleKBlock<T> ? K : kKC<T>;
   const bool rows_are_one_block = M <= block_rows(g_active_path) ||
                                   M * KC * static_cast<int64_t>(sizeof(T)) <= single_block_bytes(g_active_path);
   const bool a_is_one_block = rows_are_one_block && K > 0 && K <= kMaxSingleKBlock<T>;
-  const bool one_chunk = panels_per_chunk <= 0 || !rows_are_one_block || (packs_a && !a_is_one_block) ||
-                         c_rows_are_pages_apart<T>(M, ldc);
+  const bool a_in_place_within_l2 = !packs_a && M * K * static_cast<int64_t>(sizeof(T)) < caches().l2_bytes / 2;
+  const bool one_chunk = panels_per_chunk <= 0 || (!rows_are_one_block && !a_in_place_within_l2) ||
+                         (packs_a && !a_is_one_block) || c_rows_are_pages_apart<T>(M, ldc);
   chunk_columns_ = one_chunk ? std::max<int64_t>(N, 1) : panels_per_chunk * microkernel_for<T>(M, N).nr;
   chunks_ = M > 0 && N > 0 ? (N + chunk_columns_ - 1) / chunk_columns_ : 0;
   share_packed_a_ = packs_a && chunks_ > 1;

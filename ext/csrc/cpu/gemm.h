@@ -76,10 +76,11 @@ void gemm_indexed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_row_s
 
 // One product C = A·B + bias (relu as in gemm) whose columns are computed in chunks of
 // panels_per_chunk column panels of its tile (0: one chunk), taken by any threads in any
-// order through run(). An A read in place costs the chunks nothing; an A that is packed is
-// packed once, by the first thread that needs it, for all chunks, when it makes one packed
-// block (depth up to one K block, rows within single_block_bytes); otherwise, and when C is
-// written row after row (rows a page apart, larger than L2), the product is one chunk.
+// order through run(). An A read in place costs the chunks nothing while its rows make one
+// block of gemm_slab or take under half of L2 (each chunk re-reads it from there); an A that
+// is packed is packed once, by the first thread that needs it, for all chunks, when it makes
+// one packed block (depth up to one K block, rows within single_block_bytes); otherwise, and
+// when C is written row after row (rows a page apart, larger than L2), the product is one chunk.
 // Every element of C gets the same arithmetic as from gemm, whichever thread computes it.
 // gemm's column slabs, and the backward's dX and dW side by side (autograd.cpp), are shared
 // between threads this way.
