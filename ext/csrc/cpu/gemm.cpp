@@ -146,6 +146,12 @@ constexpr int64_t kc_for(int64_t K) {
   return K <= kMaxSingleKBlock<T> ? K : kKC<T>;
 }
 
+// Whether all of K is one K block.
+template <typename T>
+constexpr bool k_is_one_block(int64_t K) {
+  return kc_for<T>(K) >= K;
+}
+
 // MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path: the share of L2 below,
 // rounded down to a multiple of every MR of its path's tiles (checked when a path's tiles are
 // built: pack_a fills whole MR-row panels, so any other MC would overrun the MC-row buffer).
@@ -849,7 +855,7 @@ void gemm_packed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, in
                    int64_t ldc, bool accumulate) {
   if (M == 0 || N == 0 || (K == 0 && accumulate)) return;
   if (K == 0) return fill_bias<T>(M, N, nullptr, false, C, ldc);
-  if (K > std::max(kKC<T>, kMaxSingleKBlock<T>) || N > kNC)
+  if (!k_is_one_block<T>(K) || N > kNC)
     throw std::logic_error("ext::cpu::gemm_packed_b: B must be one packed block (K <= one K block, N <= NC)");
   gemm_slab<T>(microkernel_for<T>(M, N), block_rows(g_active_path), single_block_bytes(g_active_path), 0, M, 0, N, K,
                A, a_rs, a_cs, nullptr, 0, 0, nullptr, false, C, ldc, accumulate, nullptr, packed_b);
@@ -861,7 +867,7 @@ void gemm_indexed_b(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, i
   if (M == 0 || N == 0 || (K == 0 && accumulate)) return;
   if (K == 0) return fill_bias<T>(M, N, nullptr, false, C, ldc);
   const Microkernel<T>& uk = microkernel_for<T>(M, N);
-  if (K > std::max(kKC<T>, kMaxSingleKBlock<T>) || N > kNC || N % uk.lanes != 0)
+  if (!k_is_one_block<T>(K) || N > kNC || N % uk.lanes != 0)
     throw std::logic_error("ext::cpu::gemm_indexed_b: K must be one K block, N at most NC and whole vectors");
   gemm_slab<T>(uk, block_rows(g_active_path), single_block_bytes(g_active_path), 0, M, 0, N, K, A, a_rs, a_cs,
                nullptr, 0, 0, nullptr, false, C, ldc, accumulate, nullptr, nullptr, &b);
@@ -887,7 +893,7 @@ ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64
   const int64_t KC = kc_for<T>(K);
   const bool rows_are_one_block = M <= block_rows(g_active_path) ||
                                   M * KC * static_cast<int64_t>(sizeof(T)) <= single_block_bytes(g_active_path);
-  const bool a_is_one_block = rows_are_one_block && K > 0 && K <= kMaxSingleKBlock<T>;
+  const bool a_is_one_block = rows_are_one_block && K > 0 && k_is_one_block<T>(K);
   const bool a_in_place_within_l2 = !packs_a && M * K * static_cast<int64_t>(sizeof(T)) < caches().l2_bytes / 2;
   const bool one_chunk = panels_per_chunk <= 0 || (!rows_are_one_block && !a_in_place_within_l2) ||
                          (packs_a && !a_is_one_block) || c_rows_are_pages_apart<T>(M, ldc);
