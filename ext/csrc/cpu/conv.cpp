@@ -620,9 +620,7 @@ void convolve_by_position(const ConvGeometry& g, const T* input, const T* weight
   const int64_t N = g.batch, C = g.in_channels, K = g.out_channels, rs = g.kernel_h * g.kernel_w;
   const int64_t ohw = g.out_pixels_per_image();
   const int64_t width = packed_b_panel_width<T>(K, N), panels = (N + width - 1) / width, npad = panels * width;
-  const BlockSizes sizes = block_sizes<T>(active_cpu_path());
-  // Channels per GEMM: all of them up to one K block.
-  const int64_t block_channels = C <= sizes.max_single_k_block ? C : sizes.kc;
+  const int64_t block_channels = k_block_depth<T>(C);  // channels per GEMM: one K block
   const PositionLayout l{width, panels, block_channels, C, padded_stride<T>(C * npad)};
   const auto x = uninitialized<T>(g.in_pixels_per_image() * l.pixel_stride);
   position_layout(g, input, l, x.get());
@@ -816,8 +814,7 @@ void transpose_into(const T* src, int64_t rows, int64_t cols, int64_t lds, T* ds
 // from its gather to the GEMM that reads it.
 template <typename T>
 int64_t patch_block_rows(int64_t patch) {
-  const BlockSizes b = block_sizes<T>(active_cpu_path());
-  return patch <= b.max_single_k_block ? patch : b.kc;
+  return k_block_depth<T>(patch);
 }
 
 template <typename T>
@@ -910,7 +907,7 @@ void conv2d_backward_weight(const ConvGeometry& g, const T* grad_output, const T
     std::fill_n(grad_weight, K * patch, T(0));
     return;
   }
-  if (convolves_by_position<T>(g) && g.batch <= block_sizes<T>(active_cpu_path()).max_single_k_block)
+  if (convolves_by_position<T>(g) && k_is_one_block<T>(g.batch))
     return weight_gradient_by_position(g, grad_output, input, grad_weight);
   const auto staged = plan.per_image ? nullptr : staged_grad_output(g, grad_output);
   // Threads own columns of dW (rows of im2col), a block of them at a time: each gathers only

@@ -140,18 +140,6 @@ static_assert(8 * kKC<float> * sizeof(float) <= 32 * 1024 / 2);  // an 8-row A m
 template <typename T>
 constexpr int64_t kMaxSingleKBlock = 3200 / sizeof(T);
 
-// The depth of one K block for a product of depth K: all of K up to kMaxSingleKBlock, else KC.
-template <typename T>
-constexpr int64_t kc_for(int64_t K) {
-  return K <= kMaxSingleKBlock<T> ? K : kKC<T>;
-}
-
-// Whether all of K is one K block.
-template <typename T>
-constexpr bool k_is_one_block(int64_t K) {
-  return kc_for<T>(K) >= K;
-}
-
 // MC: rows of one packed A block (MC x KC, KC = 2 KiB per row), per path: the share of L2 below,
 // rounded down to a multiple of every MR of its path's tiles (checked when a path's tiles are
 // built: pack_a fills whole MR-row panels, so any other MC would overrun the MC-row buffer).
@@ -425,7 +413,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
                const T* bias, bool relu, T* C, int64_t ldc, bool accumulate_c,
                const T* shared_packed_a = nullptr, const T* prepacked_b = nullptr,
                const IndexedB<T>* indexed_b = nullptr, const T* row_bias = nullptr) {
-  const int64_t MR = uk.mr, NR = uk.nr, KC = kc_for<T>(K);
+  const int64_t MR = uk.mr, NR = uk.nr, KC = k_block_depth<T>(K);
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
   // packed per micro-panel (below). Measured (1 thread): dW 128x784->256 (256
@@ -791,7 +779,7 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // nothing of B, where each column slab packed all of A (and, its rows several blocks, shared no
   // panels). Measured on Zen 5 (2 threads, processes alternating, 5 rounds, medians new / old, best
   // rounds in brackets): dW 128x256->256 0.91 (0.92), 128x784->256 0.86 (0.985), 512x256->256 0.94 (0.97).
-  const int64_t KC = kc_for<T>(K);
+  const int64_t KC = k_block_depth<T>(K);
   const bool rows_pack_less = !read_a_in_place && b_cs == 1 && m_panels >= threads &&
                               (m_panels + threads - 1) / threads * uk.mr <= kMaxRowsForBInPlace &&
                               b_block_stays_in_l2<T>(KC * N * static_cast<int64_t>(sizeof(T)), b_rs);
@@ -846,6 +834,16 @@ void gemm(int64_t M, int64_t N, int64_t K,
 }
 
 template <typename T>
+int64_t k_block_depth(int64_t K) {
+  return K <= kMaxSingleKBlock<T> ? K : kKC<T>;
+}
+
+template <typename T>
+bool k_is_one_block(int64_t K) {
+  return k_block_depth<T>(K) >= K;
+}
+
+template <typename T>
 int64_t packed_b_panel_width(int64_t M, int64_t N) {
   return microkernel_for<T>(M, N).nr;
 }
@@ -890,7 +888,7 @@ ColumnChunks<T>::ColumnChunks(int64_t M, int64_t N, int64_t K, const T* A, int64
   // waits with each thread's 128 columns one chunk; 200x600->300 0.99-1.00; at half of L2
   // (512x256->256, forward and dX) 1.00-1.01 slower, hence under half.
   const bool packs_a = !reads_a_in_place(a_col_stride);
-  const int64_t KC = kc_for<T>(K);
+  const int64_t KC = k_block_depth<T>(K);
   const bool rows_are_one_block = M <= block_rows(g_active_path) ||
                                   M * KC * static_cast<int64_t>(sizeof(T)) <= single_block_bytes(g_active_path);
   const bool a_is_one_block = rows_are_one_block && K > 0 && k_is_one_block<T>(K);
@@ -1079,6 +1077,10 @@ template void gemm<double>(int64_t, int64_t, int64_t, const double*, int64_t, in
                            const double*, int64_t, int64_t, const double*, bool, double*, int64_t, bool);
 template int64_t packed_b_panel_width<float>(int64_t, int64_t);
 template int64_t packed_b_panel_width<double>(int64_t, int64_t);
+template int64_t k_block_depth<float>(int64_t);
+template int64_t k_block_depth<double>(int64_t);
+template bool k_is_one_block<float>(int64_t);
+template bool k_is_one_block<double>(int64_t);
 template void gemm_packed_b<float>(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
                                    int64_t, bool);
 template void gemm_packed_b<double>(int64_t, int64_t, int64_t, const double*, int64_t, int64_t, const double*,

@@ -54,6 +54,14 @@ void gemm(int64_t M, int64_t N, int64_t K,
 template <typename T>
 int64_t packed_b_panel_width(int64_t M, int64_t N);
 
+// The depth of one K block of gemm for a product of depth K: all of K up to
+// BlockSizes::max_single_k_block, else kc. A caller that builds B a block at a time (the
+// convolution's im2col) cuts K where gemm does; k_is_one_block says whether all of K is one block.
+template <typename T>
+int64_t k_block_depth(int64_t K);
+template <typename T>
+bool k_is_one_block(int64_t K);
+
 // C (+)= A · B, as gemm with accumulate and no bias, B packed as packed_b_panel_width(M, N) says.
 // One thread, K at most one K block (BlockSizes::max_single_k_block or kc) and N at most nc.
 template <typename T>
