@@ -225,6 +225,14 @@ bool b_block_stays_in_l2(int64_t block_bytes, int64_t b_rs) {
   return block_bytes <= caches().l2_bytes / 2 && b_rs * static_cast<int64_t>(sizeof(T)) % 4096 != 0;
 }
 
+// Whether a slab of `rows` rows of C reads a row-major B in place (its K blocks `cols` columns
+// wide): gemm_slab's rule, by which gemm also chooses how to split a product over threads.
+template <typename T>
+bool slab_reads_b_in_place(int64_t rows, int64_t K, int64_t cols, int64_t b_rs, int64_t b_cs) {
+  const int64_t block_bytes = k_block_depth<T>(K) * cols * static_cast<int64_t>(sizeof(T));
+  return b_cs == 1 && rows <= kMaxRowsForBInPlace && b_block_stays_in_l2<T>(block_bytes, b_rs);
+}
+
 // A row-major A is read in place, never packed: gemm_slab reads it so, and gemm splits
 // threads by columns for it (each slab then packs only its own part of B).
 inline bool reads_a_in_place(int64_t a_col_stride) { return a_col_stride == 1; }
@@ -433,8 +441,7 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
   const int64_t b_block_bytes = std::min(KC, K) * (n1 - n0) * static_cast<int64_t>(sizeof(T));
   // B packed or indexed by the caller (the convolution): read as it is.
   const bool b_supplied = prepacked_b || indexed_b;
-  const bool read_b_in_place = !b_supplied && b_cs == 1 && m1 - m0 <= kMaxRowsForBInPlace &&
-                               b_block_stays_in_l2<T>(b_block_bytes, b_rs);
+  const bool read_b_in_place = !b_supplied && slab_reads_b_in_place<T>(m1 - m0, K, n1 - n0, b_rs, b_cs);
   // C's rows a page or more apart, in a C larger than L2 (dW of a 2048-input head,
   // 1000 x 2048, from a batch of 128): down a column panel every row of a tile is
   // on another page, and C is written in 256-byte strips a thousand pages tall. If
@@ -770,8 +777,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // slab would pack all of it: 1.2x slower on 2 threads than column slabs.
   const bool whole_slabs = 2.0 * M * N * K < kWholeSlabsMaxFlops;
   const int64_t b_bytes = K * N * static_cast<int64_t>(sizeof(T));
-  const bool shallow_rows = K <= kMaxShallowDepth && (M + threads - 1) / threads <= kMaxRowsForBInPlace &&
-                            b_block_stays_in_l2<T>(b_bytes, b_rs);
+  const bool shallow_rows =
+      K <= kMaxShallowDepth && slab_reads_b_in_place<T>((M + threads - 1) / threads, K, N, b_rs, b_cs);
   const bool rows_unpacked = read_a_in_place && b_cs == 1 && m_panels >= threads &&
                              ((whole_slabs && b_bytes <= rows_outer_max_b_bytes()) || shallow_rows);
   // A packed (dW's dYᵀ) and a B that row slabs read in place (at most kMaxRowsForBInPlace rows each,
@@ -779,10 +786,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
   // nothing of B, where each column slab packed all of A (and, its rows several blocks, shared no
   // panels). Measured on Zen 5 (2 threads, processes alternating, 5 rounds, medians new / old, best
   // rounds in brackets): dW 128x256->256 0.91 (0.92), 128x784->256 0.86 (0.985), 512x256->256 0.94 (0.97).
-  const int64_t KC = k_block_depth<T>(K);
-  const bool rows_pack_less = !read_a_in_place && b_cs == 1 && m_panels >= threads &&
-                              (m_panels + threads - 1) / threads * uk.mr <= kMaxRowsForBInPlace &&
-                              b_block_stays_in_l2<T>(KC * N * static_cast<int64_t>(sizeof(T)), b_rs);
+  const bool rows_pack_less = !read_a_in_place && m_panels >= threads &&
+                              slab_reads_b_in_place<T>((m_panels + threads - 1) / threads * uk.mr, K, N, b_rs, b_cs);
   const bool split_columns = !rows_unpacked && !rows_pack_less && n_panels >= threads &&
                              (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
