@@ -132,7 +132,18 @@ def test_a_linear_and_conv_sweep_compares_each_choice_with_the_other_held(tmp_pa
     assert conv_part.count("2.00x") == 2 or conv_part.count("1.9") + conv_part.count("2.0") >= 2
     assert "100% of the FLOPs" in conv_part and "not a kernel comparison" not in conv_part
     with open(tmp_path / "summary.csv") as file:
-        assert [row["conv"] for row in csv.DictReader(file)] == ["torch", "torch", "custom", "custom"]
+        rows = list(csv.DictReader(file))
+    assert [row["conv"] for row in rows] == ["torch", "torch", "custom", "custom"]
+    # each custom side carries its own partner's comparison: linear (jobs 1, 3) and conv (jobs 2, 3)
+    assert [row["speedup_vs_torch"] != "" for row in rows] == [False, True, False, True]
+    assert [row["conv_speedup_vs_torch"] != "" for row in rows] == [False, False, True, True]
+    assert float(rows[1]["speedup_low"]) < 1 < float(rows[1]["speedup_high"])  # same conv, same step times
+    for row in rows[2:]:  # conv=custom's steps take half the time of conv=torch's
+        assert float(row["conv_speedup_vs_torch"]) == pytest.approx(2.0, rel=0.02)
+        assert float(row["conv_speedup_low"]) < float(row["conv_speedup_vs_torch"]) < float(row["conv_speedup_high"])
+        assert row["conv_verdict"] == "custom is faster" and row["conv_flop_share"] == "0.9999"
+        assert float(row["conv_val_acc_diff_points_vs_torch"]) == pytest.approx(0.0)
+    assert rows[3]["linear_flop_share"] == "9.2e-06" and rows[2]["linear_flop_share"] == ""
 
 
 def test_sweep_without_linear_pairs_has_no_comparison(tmp_path):

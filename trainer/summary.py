@@ -197,25 +197,40 @@ def val_acc_diff_points(torch_row, custom_row):
     return 100 * (custom_row["val/acc"] - torch_row["val/acc"])
 
 
-def to_csv(rows, pairs):
+# summary.csv's columns for a custom job's comparison with its torch partner: the pairs that differ only in
+# linear, then those that differ only in conv (a job of a linear x conv grid can have both partners)
+PAIR_CSV_COLUMNS = {
+    "linear": ("speedup_vs_torch", "speedup_low", "speedup_high", "verdict", "linear_flop_share",
+               "val_acc_diff_points_vs_torch"),
+    "conv": ("conv_speedup_vs_torch", "conv_speedup_low", "conv_speedup_high", "conv_verdict", "conv_flop_share",
+             "conv_val_acc_diff_points_vs_torch"),
+}
+
+
+def pair_csv_cells(pair, group):
+    """PAIR_CSV_COLUMNS[group] for a custom job and its torch partner: speedup, interval, verdict, the share of
+    the FLOPs the swapped layers do, and the accuracy difference; empty cells for a job without a partner."""
+    if pair is None:
+        return [""] * len(PAIR_CSV_COLUMNS[group])
+    ratio = speedup(*pair)
+    cells = ([f"{ratio.value:.4f}", f"{ratio.low:.4f}", f"{ratio.high:.4f}", ratio.verdict] if ratio
+             else ["", "", "", "no step times recorded"])
+    return cells + [pair[1].get(f"{group}_flop_share", ""), f"{val_acc_diff_points(*pair):.2f}"]
+
+
+def to_csv(rows, pairs_by_group):
     """One line per job; custom jobs with a torch partner also carry the speedup (with its interval and
-    verdict), the share of FLOPs it covers and the accuracy difference, and failed jobs their error instead
-    of any figure."""
-    compared = {id(custom): (torch_row, custom) for torch_row, custom in pairs}
+    verdict), the share of FLOPs it covers and the accuracy difference (PAIR_CSV_COLUMNS), and failed jobs
+    their error instead of any figure. pairs_by_group: {"linear": pairs, "conv": pairs} (choice_pairs)."""
+    partners = {group: {id(custom): (torch_row, custom) for torch_row, custom in pairs_by_group[group]}
+                for group in PAIR_CSV_COLUMNS}
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([column for column, _, _ in JOB_COLUMNS] + [
-        "speedup_vs_torch", "speedup_low", "speedup_high", "verdict", "linear_flop_share",
-        "val_acc_diff_points_vs_torch", "error"])
+    writer.writerow([column for column, _, _ in JOB_COLUMNS] +
+                    [column for columns in PAIR_CSV_COLUMNS.values() for column in columns] + ["error"])
     for row in rows:
-        pair = compared.get(id(row))
-        extra = [""] * 6
-        if pair:
-            ratio = speedup(*pair)
-            extra = ([f"{ratio.value:.4f}", f"{ratio.low:.4f}", f"{ratio.high:.4f}", ratio.verdict] if ratio
-                     else ["", "", "", "no step times recorded"])
-            extra += [row.get("linear_flop_share", ""), f"{val_acc_diff_points(*pair):.2f}"]
-        writer.writerow([row.get(key, "") for _, key, _ in JOB_COLUMNS] + extra + [row.get("error", "")])
+        cells = [cell for group in PAIR_CSV_COLUMNS for cell in pair_csv_cells(partners[group].get(id(row)), group)]
+        writer.writerow([row.get(key, "") for _, key, _ in JOB_COLUMNS] + cells + [row.get("error", "")])
     return out.getvalue()
 
 
@@ -278,8 +293,9 @@ def summarize_sweep(sweep_dir, rows=None):
     """
     rows = job_rows(sweep_dir) if rows is None else rows
     pairs = choice_pairs(rows)
-    markdown = to_markdown(sweep_dir, rows, pairs, choice_pairs(rows, "conv"))
-    write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, pairs))
+    conv_pairs = choice_pairs(rows, "conv")
+    markdown = to_markdown(sweep_dir, rows, pairs, conv_pairs)
+    write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, {"linear": pairs, "conv": conv_pairs}))
     write_text_atomic(Path(sweep_dir) / MARKDOWN_NAME, markdown)
     write_speedup_curves(sweep_dir, pairs)
     return markdown
