@@ -18,10 +18,11 @@ namespace ext::cpu {
 // us (128x256->10) and 21 -> 16 us (128x512->10), torch 11 and 16.
 constexpr double kParallelMinFlops = 5e5;
 
-// Under this many flops a product split over threads is cut once into whole slabs, one per
-// thread, which take no panels from each other (the panels a thread takes cost a shared counter
-// each, whose cache line then moves between the cores, and for these products there is little
-// to balance); and one whose operands are both read in place is split by rows (gemm.cpp). Measured
+// Under this many flops a product split over threads by columns with A packed (dW) is cut once into
+// whole slabs, one per thread, which take no panels from each other: the panels a thread takes cost a
+// shared counter each, whose cache line then moves between the cores, and for these products there is
+// little to balance. (A forward, A read in place, still shares one-panel chunks.) One whose operands
+// are both read in place is split by rows (gemm.cpp). Measured
 // on Zen 4 (2 threads, 14 process pairs alternating, medians, µs, old -> new): dX 128x256->10
 // 8.27 -> 7.66, dW 7.37 -> 7.13, dW 128x512->10 11.16 -> 10.58, 64x64->64 dX 6.02 -> 5.93 and
 // dW 6.56 -> 6.35, the other products of 64x64->64, 128x256->32 and 64x256->64 within 1.3%.
