@@ -379,4 +379,8 @@ def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in LIBRARIES:
+        print("bench.peers is the worker process of `python -m bench.linear --peers` (run that); as a worker it "
+              f"takes one of {', '.join(LIBRARIES)}, got {' '.join(sys.argv[1:]) or 'nothing'}", file=sys.stderr)
+        sys.exit(2)  # a usage error, as argparse's
     worker_main(sys.argv[1])

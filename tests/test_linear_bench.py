@@ -293,6 +293,15 @@ def test_a_product_behind_its_peer_is_also_compared_net_of_each_sides_call():
     assert "16x40->24 dX 0.67 (OpenBLAS; no time left net of the calls)" in peers.summary_lines([tiny], calls)[-2]
 
 
+@pytest.mark.parametrize("argv", [["--help"], [], ["mkl"]])
+def test_the_peers_worker_run_by_hand_says_what_to_run_instead(argv):
+    result = subprocess.run([sys.executable, "-m", "bench.peers", *argv], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "python -m bench.linear --peers" in result.stderr
+    assert "ext, torch, openblas, onednn" in result.stderr
+
+
 def test_peers_mode_refuses_the_options_it_does_not_take(capsys):
     with pytest.raises(SystemExit):
         bench_linear.main(["--peers", "--products"])
