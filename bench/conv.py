@@ -134,9 +134,9 @@ def table_lines(title, results, batch, peak) -> list[str]:
 
 
 def fault_notes(results) -> list[str]:
-    """A line for each row where a side page-faulted on most calls: its time is not the kernel's alone. Blocks
-    over 32 MiB (a batch of 128 at 64 channels of 32x32 is 32 MiB) are mapped afresh on every call whatever
-    trainer/memory.py sets, so a side's isolated time can hold faults a training step does not pay alike."""
+    """A line for each row where a side page-faulted on most calls: its time is not the kernel's alone. With
+    trainer/memory.py's settings every block comes from the heap, so a side that faults anyway pays for
+    something a training step may not pay alike."""
     notes = []
     for shape, pass_name, row in results:
         faulting = [f"{side} {count:,.0f}" for side, count in zip(("torch", "ext"), row.faults_per_call)
