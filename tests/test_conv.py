@@ -1,5 +1,7 @@
 """ext.conv2d and ext.Conv2d against F.conv2d and nn.Conv2d: forward and every gradient in float64 (to
 rounding) and float32, PyTorch's own samples, drawn shapes, memory formats, registration, refusals."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,6 +194,9 @@ def test_pytorch_module_samples():
             out.sum().backward()
         torch.testing.assert_close(xs[1].grad, xs[0].grad)
         torch.testing.assert_close(ours.weight.grad, theirs.weight.grad)
+        assert (ours.bias is None) == (theirs.bias is None)
+        if theirs.bias is not None:
+            torch.testing.assert_close(ours.bias.grad, theirs.bias.grad)
 
 
 @pytest.mark.parametrize("padding", ["same", "valid"])
@@ -333,11 +338,14 @@ def test_opcheck(case):
 
 def test_torch_compile_traces_without_graph_breaks():
     model = nn.Sequential(ext.Conv2d(3, 8, 3, padding=1), nn.ReLU(), ext.Conv2d(8, 4, 1, stride=2))
+    eager = copy.deepcopy(model)
     x = torch.randn(2, 3, 10, 10)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x), model(x))
+    torch.testing.assert_close(compiled(x), eager(x))
     compiled(x).sum().backward()
-    assert model[0].weight.grad is not None
+    eager(x).sum().backward()
+    for (name, ours), theirs in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, msg=name)
 
 
 # ext.Conv2d and replace_convs
@@ -367,7 +375,13 @@ def test_every_padding_mode_matches_nn_conv2d(padding_mode):
     ours = ext.Conv2d.from_conv2d(theirs)
     assert ours.weight is theirs.weight and ours.padding_mode == padding_mode
     x = torch.randn(2, 4, 7, 9, dtype=torch.float64)
-    torch.testing.assert_close(ours(x), theirs(x))
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [ours(xs[0]), theirs(xs[1])]
+    torch.testing.assert_close(outs[0], outs[1])
+    grads = [torch.autograd.grad(out, (xi, ours.weight, ours.bias), torch.ones_like(out))
+             for out, xi in zip(outs, xs)]  # the shared weight and bias: each side's own gradient
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_from_conv2d_refuses_grouped_and_computed_weights_saying_what_to_do():

@@ -60,9 +60,10 @@ def test_a_strided_bias_is_read_as_its_values(ops):
 def test_empty_outputs_return_before_any_launch(ops, M, N, K):
     x, w, dy = torch.ones(M, K), torch.ones(N, K), torch.ones(M, N)
     assert ops.linear(x, w, torch.ones(N)).shape == (M, N)
-    assert ops.linear_backward_input(dy, w).shape == (M, K)
-    assert ops.linear_backward_weight(dy, x).shape == (N, K)
-    assert ops.linear_backward_bias(dy).shape == (N,)
+    assert torch.equal(ops.linear_backward_input(dy, w), torch.zeros(M, K))
+    # a sum over no rows: zeros, not whatever the freshly allocated output held
+    assert torch.equal(ops.linear_backward_weight(dy, x), torch.zeros(N, K))
+    assert torch.equal(ops.linear_backward_bias(dy), torch.zeros(N))
 
 
 def test_zero_depth_gives_the_bias_alone(ops):
@@ -107,6 +108,7 @@ def test_autocast_runs_the_op_in_the_autocast_dtype_and_leaves_float64_alone(ops
     expected = F.linear(x.double(), w.double(), b.double())
     torch.testing.assert_close(y, (expected.relu() if relu else expected).bfloat16(), rtol=0, atol=0)
     assert y64.dtype == torch.float64
+    torch.testing.assert_close(y64, expected.relu() if relu else expected, rtol=0, atol=0)  # quarters: exact
 
 
 def tf32_products_summed(x, w):

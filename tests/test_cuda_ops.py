@@ -129,10 +129,12 @@ def test_autocast_casts_like_nn_linear(autocast_dtype, op_name):
         torch_y = F.linear(*(t.detach() for t in leaves))
     assert y.dtype == torch_y.dtype == autocast_dtype
     expected = reference(getattr(ext, op_name), [t.detach().to(autocast_dtype) for t in leaves],
-                         grad_output.to(autocast_dtype))[0]
-    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+                         grad_output.to(autocast_dtype))
+    torch.testing.assert_close(y, expected[0], rtol=0, atol=0)
     y.backward(grad_output.to(autocast_dtype))
-    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)  # grads reach fp32 params
+    for leaf, want in zip(leaves, expected[1:], strict=True):  # computed in the autocast dtype, exact here
+        assert leaf.grad.dtype == torch.float32  # grads reach fp32 params
+        torch.testing.assert_close(leaf.grad, want.float(), rtol=0, atol=0)
 
 
 def test_autocast_leaves_float64_alone():

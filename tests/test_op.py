@@ -364,8 +364,10 @@ def test_relu_gradient_at_nan_outputs_matches_torch():
     ours = forward_and_grads(ext.linear_relu, input, weight, None, grad_output)
     expected = forward_and_grads(torch_linear_relu, input, weight, None, grad_output)
     torch.testing.assert_close(ours[0], expected[0], equal_nan=True)
-    # torch masks where output <= 0, so a NaN output passes its gradient through
+    # torch masks where output <= 0, so a NaN output passes its gradient through: into the input's gradient,
+    # and into the weight's through the NaN input column
     torch.testing.assert_close(ours[1][0], expected[1][0], equal_nan=True)
+    torch.testing.assert_close(ours[1][1], expected[1][1], equal_nan=True)
 
 
 # ---- torch.func transforms and forward-mode AD ----
