@@ -3,6 +3,8 @@
 Example:
     $ LINEAR_LAB_CUDA=1 python -m ext     # build with CUDA kernels for a GPU machine
 """
+import argparse
+
 import torch
 
 import ext
@@ -49,6 +51,7 @@ def describe_build(manifest: dict) -> str:
     return "\n".join(f"{name + ':':<15} {value}" for name, value in rows)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # no options: --help says what the command does, and anything else is refused
+    argparse.ArgumentParser(prog="python -m ext", description=__doc__.split("\n")[0]).parse_args()
     print("linear-lab extension")
     print(describe_build(ext.build_manifest))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ext.ops import linear
+from ext.ops import check_same_device, linear
 
 _CONV2D = torch.ops.ext.conv2d.default
 
@@ -25,6 +25,9 @@ def _fake_format(input, weight):
 
 @torch.library.register_fake("ext::conv2d")
 def _conv2d_fake(input, weight, bias, stride, padding, dilation):
+    check_same_device("ext.conv2d", input=input, weight=weight, bias=bias)
+    torch._check(min(stride) > 0 and min(dilation) > 0,
+                 lambda: f"ext.conv2d: stride and dilation must be positive, got {list(stride)} and {list(dilation)}")
     torch._check(input.dim() == 4 and weight.dim() == 4,
                  lambda: f"ext.conv2d: input and weight must be 4-D, got {tuple(input.shape)} and {tuple(weight.shape)}")
     torch._check(input.shape[1] == weight.shape[1],
@@ -38,11 +41,13 @@ def _conv2d_fake(input, weight, bias, stride, padding, dilation):
 
 @torch.library.register_fake("ext::conv2d_backward_input")
 def _conv2d_backward_input_fake(grad_output, weight, input_size, stride, padding, dilation):
+    check_same_device("ext.conv2d_backward_input", grad_output=grad_output, weight=weight)
     return grad_output.new_empty(input_size)
 
 
 @torch.library.register_fake("ext::conv2d_backward_weight")
 def _conv2d_backward_weight_fake(grad_output, input, weight_size, stride, padding, dilation):
+    check_same_device("ext.conv2d_backward_weight", grad_output=grad_output, input=input)
     return grad_output.new_empty(weight_size)
 
 
@@ -91,8 +96,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         >>> y.shape
         torch.Size([8, 64, 32, 32])
     """
-    if groups != 1:
-        raise ValueError(f"ext.conv2d: groups={groups} is not supported (only groups=1); run this layer with "
+    if not (isinstance(groups, int) and not isinstance(groups, bool) and groups == 1):
+        raise ValueError(f"ext.conv2d: groups={groups!r} is not supported (only the int 1); run this layer with "
                          "torch's convolution (conv=torch, or leave it an nn.Conv2d)")
     for name, value in (("input", input), ("weight", weight)):
         if not isinstance(value, torch.Tensor):
@@ -109,17 +114,21 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     padding = _paddings(padding, tuple(weight.shape[2:]), stride, dilation)
     unbatched = input.dim() == 3
     batched = input.unsqueeze(0) if unbatched else input
-    if _is_pointwise_channels_last(batched, weight, stride, padding):
+    if _is_pointwise_channels_last(batched, weight, bias, stride, padding):
         output = _pointwise_channels_last(batched, weight, bias)
     else:
         output = _CONV2D(batched, weight, bias, stride, padding, dilation)
     return output.squeeze(0) if unbatched else output
 
 
-def _is_pointwise_channels_last(input, weight, stride, padding):
-    """A 1x1 stride-1 unpadded kernel on a channels_last input: the convolution is ext.linear on its rows."""
+def _is_pointwise_channels_last(input, weight, bias, stride, padding):
+    """A 1x1 stride-1 unpadded kernel on a channels_last input: the convolution is ext.linear on its rows.
+    Only with arguments the op takes (one dtype and device, bias (K,) or None): for any other the op names what
+    is wrong, where ext.linear would broadcast a bias or speak of a linear layer."""
+    arguments_fit = all(t.dtype == input.dtype and t.device == input.device for t in (weight, bias) if t is not None) \
+        and (bias is None or tuple(bias.shape) == (weight.shape[0],))
     return (tuple(weight.shape[2:]) == (1, 1) and stride == (1, 1) and padding == (0, 0, 0, 0)
-            and input.dim() == 4 and input.shape[1] == weight.shape[1] and input.numel() > 0
+            and input.dim() == 4 and input.shape[1] == weight.shape[1] and input.numel() > 0 and arguments_fit
             and input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous())
 
 

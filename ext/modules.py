@@ -32,7 +32,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  activation: str | None = None):
-        if activation not in ACTIVATIONS:
+        if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
             raise ValueError(f"ext.Linear: activation must be one of {list(ACTIVATIONS)}, "
                              f"got {activation!r}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -60,6 +60,7 @@ class Linear(nn.Linear):
         Example:
             >>> fast = ext.Linear.from_linear(nn.Linear(784, 256))
         """
+        _check_module("ext.Linear.from_linear", module, nn.Linear)
         if not isinstance(module.weight, nn.Parameter) or parametrize.is_parametrized(module):
             raise TypeError(f"ext.Linear.from_linear: this {type(module).__name__}'s weight is computed "
                             "(pruning, weight norm, spectral norm or a parametrization), so there is no "
@@ -71,6 +72,12 @@ class Linear(nn.Linear):
         new.bias = module.bias
         new.train(module.training)
         return new
+
+
+def _check_module(caller, value, kind):
+    """A TypeError naming what `caller` was given instead of an nn.`kind` (the module to convert)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{caller}: expected an nn.{kind.__name__}, got {type(value).__name__}")
 
 
 def replace_linears(model: nn.Module, fuse_relu: bool = False) -> nn.Module:
@@ -91,6 +98,7 @@ def replace_linears(model: nn.Module, fuse_relu: bool = False) -> nn.Module:
         >>> model = ext.replace_linears(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
         ...                             fuse_relu=True)
     """
+    _check_module("ext.replace_linears", model, nn.Module)
     for module in model.modules():
         _convert(module)
     if fuse_relu:
@@ -171,6 +179,7 @@ class Conv2d(nn.Conv2d):
         Example:
             >>> fast = ext.Conv2d.from_conv2d(nn.Conv2d(3, 64, 3))
         """
+        _check_module("ext.Conv2d.from_conv2d", module, nn.Conv2d)
         if module.groups != 1:
             raise ValueError(f"ext.Conv2d.from_conv2d: groups={module.groups} is not supported (only groups=1); "
                              "keep this layer an nn.Conv2d")
@@ -198,6 +207,7 @@ def replace_convs(model: nn.Module) -> list[str]:
         >>> left = ext.replace_convs(torchvision.models.mobilenet_v2())   # depthwise ones stay
     """
     left = []
+    _check_module("ext.replace_convs", model, nn.Module)
     for name, module in model.named_modules():
         if type(module) is not nn.Conv2d and not (parametrize.is_parametrized(module)
                                                   and type(module).__bases__ == (nn.Conv2d,)):

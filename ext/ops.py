@@ -15,8 +15,22 @@ from torch.overrides import handle_torch_function, has_torch_function
 from ext import _calls
 
 
+def check_same_device(op, **tensors):
+    """Every tensor given (None skipped) on one device, for the fake kernels: a meta tensor among CPU ones
+    sends the whole call to them, and the empty result they make on the input's device would be garbage."""
+    named = [(name, tensor) for name, tensor in tensors.items() if tensor is not None]
+    first_name, first = named[0]
+    for name, tensor in named[1:]:
+        torch._check(tensor.device == first.device,
+                     lambda: f"{op}: {name} is on {tensor.device} but {first_name} is on {first.device}; "
+                             f"move them to the same device")
+
+
 def _linear_fake(input, weight, bias):
     """Shape and dtype of linear and linear_relu, with the shape checks of checks.h."""
+    check_same_device("ext.linear", input=input, weight=weight, bias=bias)
+    torch._check(input.dtype.is_floating_point,
+                 lambda: f"ext.linear: dtype {input.dtype} is not supported; use a floating-point dtype")
     torch._check(input.dim() == 2 and weight.dim() == 2,
                  lambda: f"ext.linear: input and weight must be 2-D, got {tuple(input.shape)} "
                          f"and {tuple(weight.shape)}")
@@ -34,12 +48,14 @@ torch.library.register_fake("ext::linear_relu", _linear_fake)
 
 @torch.library.register_fake("ext::linear_backward_input")
 def _linear_backward_input_fake(grad_output, weight):
+    check_same_device("ext.linear_backward_input", grad_output=grad_output, weight=weight)
     torch._check(grad_output.shape[1] == weight.shape[0])
     return grad_output.new_empty((grad_output.shape[0], weight.shape[1]))
 
 
 @torch.library.register_fake("ext::linear_backward_weight")
 def _linear_backward_weight_fake(grad_output, input):
+    check_same_device("ext.linear_backward_weight", grad_output=grad_output, input=input)
     torch._check(grad_output.shape[0] == input.shape[0])
     return grad_output.new_empty((grad_output.shape[1], input.shape[1]))
 
@@ -257,6 +273,9 @@ def _add_broadcast_bias(output, input, bias):
     if not broadcasts:
         raise RuntimeError(f"ext.linear: bias of shape {list(bias.shape)} does not broadcast to the output's "
                            f"shape {list(shape)}; give it shape [{output.shape[-1] if output.dim() else 1}]")
+    if bias.dtype != output.dtype or bias.device != output.device:  # F.linear refuses them; + would promote
+        raise RuntimeError(f"ext.linear: bias is {bias.dtype} on {bias.device} but input is {input.dtype} on "
+                           f"{input.device}; give bias the input's dtype and device")
     return (output.reshape(shape) + bias).reshape(output.shape)
 
 
@@ -290,6 +309,7 @@ _CROSS_ENTROPY = torch.ops.ext.cross_entropy.default
 
 @torch.library.register_fake("ext::cross_entropy")
 def _cross_entropy_fake(input, target, ignore_index=-100):
+    check_same_device("ext.cross_entropy", input=input, target=target)
     return input.new_empty(())  # a mean, whatever the shapes (the op takes torch's for the unusual ones)
 
 
@@ -309,6 +329,9 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int =
     """
     if torch.jit.is_scripting():  # TorchScript compiles this branch only
         return torch.ops.ext.cross_entropy(input, target, ignore_index)
+    if not (isinstance(ignore_index, int) and not isinstance(ignore_index, bool) and -2**63 <= ignore_index < 2**63):
+        raise TypeError(f"ext.cross_entropy: ignore_index must be an integer (a class index, -100 by default), "
+                        f"got {ignore_index!r}")
     if has_torch_function((input, target)) or _transforms_active():
         return torch.nn.functional.cross_entropy(input, target, ignore_index=ignore_index)
     return _CROSS_ENTROPY(input, target, ignore_index)

@@ -214,6 +214,13 @@ def test_forced_cuda_build_compiles_loads_and_keeps_the_cpu_kernels(tmp_path):
     assert f"kernels:        {expected}\n" in report.stdout
 
 
+def test_python_m_ext_refuses_an_argument_it_does_not_take():
+    result = subprocess.run([sys.executable, "-m", "ext", "--bogus"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 2 and "python -m ext: error: unrecognized arguments: --bogus" in result.stderr
+    assert "linear-lab extension" not in result.stdout
+
+
 def test_old_builds_are_pruned_keeping_the_recent_and_the_busy(tmp_path):
     def fake_build(name, used_s):
         directory = tmp_path / name

@@ -299,6 +299,25 @@ def test_cpu_autocast_runs_float32():
                                                                                           "shape [4]"),
     (lambda: ext.conv2d(torch.randn(1, 4, 5, 5).to_sparse(), torch.randn(4, 4, 3, 3)), ".to_dense()"),
     (lambda: ext.Conv2d(4, 8, 3, groups=2), "groups=2 is not supported"),
+    (lambda: ext.conv2d(torch.randn(2, 4, 5, 5), torch.randn(4, 4, 3, 3), groups="1"), "groups='1' is not supported"),
+    (lambda: ext.conv2d(torch.randn(2, 3, 5, 5), torch.randn(4, 3, 0, 3)), "the kernel must be at least 1x1, got 0x3"),
+    (lambda: ext.conv2d(torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3, device="meta")),
+     "weight is on meta but input is on cpu"),
+    (lambda: torch.ops.ext.conv2d(torch.empty(1, 3, 5, 5, device="meta"), torch.empty(4, 3, 3, 3, device="meta"),
+                                  None, [0, 1], [0, 0, 0, 0], [1, 1]), "stride and dilation must be positive"),
+    # the 1x1 channels_last path (ext.linear on the pixels' rows) refuses what the op refuses, in its words
+    (lambda: ext.conv2d(torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last), torch.randn(6, 4, 1, 1),
+                        torch.randn(1)), "ext.conv2d: bias must have shape [6]"),
+    (lambda: ext.conv2d(torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last), torch.randn(6, 4, 1, 1),
+                        torch.randn(6, dtype=torch.float64)), "ext.conv2d: bias is Double but weight is Float"),
+    # the backward ops called by hand: input_size or weight_size that cannot be the forward's
+    (lambda: torch.ops.ext.conv2d_backward_input(torch.randn(1, 1, 3, 3), torch.randn(1, 2, 3, 3), [1, 3, 5, 5],
+                                                 [1, 1], [0, 0, 0, 0], [1, 1]),
+     "input_size has 3 channels but weight has 2"),
+    (lambda: torch.ops.ext.conv2d_backward_input(torch.randn(1, 1, 3, 3), torch.randn(1, 2, 3, 3), [1, 2, -5, 5],
+                                                 [1, 1], [0, 0, 0, 0], [1, 1]), "input_size must not be negative"),
+    (lambda: torch.ops.ext.conv2d_backward_weight(torch.randn(1, 1, 3, 3), torch.randn(1, 2, 5, 5), [1, 2, 3, -3],
+                                                  [1, 1], [0, 0, 0, 0], [1, 1]), "weight_size must not be negative"),
 ])
 def test_refusals_say_what_to_do_in_one_line(make_call, message):
     with pytest.raises((RuntimeError, ValueError, TypeError)) as error:

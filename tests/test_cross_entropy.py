@@ -109,6 +109,12 @@ def test_a_target_that_is_no_class_is_refused_in_one_line():
             ext.cross_entropy(logits, target)
 
 
+@pytest.mark.parametrize("ignore_index", [1.5, None, 2**70, True])
+def test_an_ignore_index_that_is_no_integer_is_refused_in_one_line(ignore_index):
+    with pytest.raises(TypeError, match=rf"^ext.cross_entropy: ignore_index must be an integer .*got {ignore_index}$"):
+        ext.cross_entropy(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]), ignore_index=ignore_index)
+
+
 def test_a_target_changed_after_the_forward_is_refused_by_the_backward():
     logits = torch.zeros(4, 5, requires_grad=True)
     for bad in (7, 10**12):  # torch's backward refuses it too; read unchecked, it would index past the rows

@@ -71,6 +71,19 @@ def test_forward_runs_our_kernel(activation, op):
 def test_unknown_activation_is_rejected():
     with pytest.raises(ValueError, match="activation must be one of \\[None, 'relu'\\], got 'gelu'"):
         ext.Linear(4, 3, activation="gelu")
+    with pytest.raises(ValueError, match="activation must be one of \\[None, 'relu'\\], got \\['relu'\\]"):
+        ext.Linear(4, 3, activation=["relu"])  # a list: said as such, not "unhashable type"
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ext.replace_linears(None), "ext.replace_linears: expected an nn.Module, got NoneType"),
+    (lambda: ext.replace_convs("model"), "ext.replace_convs: expected an nn.Module, got str"),
+    (lambda: ext.Linear.from_linear(nn.Conv2d(3, 4, 1)), "ext.Linear.from_linear: expected an nn.Linear, got Conv2d"),
+    (lambda: ext.Conv2d.from_conv2d(nn.Linear(3, 4)), "ext.Conv2d.from_conv2d: expected an nn.Conv2d, got Linear"),
+])
+def test_converting_something_that_is_no_such_module_says_what_it_got(call, message):
+    with pytest.raises(TypeError, match=f"^{message}$"):
+        call()
 
 
 def test_fused_relu_matches_linear_then_relu():

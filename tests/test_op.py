@@ -641,6 +641,23 @@ ERROR_CASES = {
                                  RuntimeError, "but weight expects 3 features in every component"),
     "unknown cpu path": (lambda: torch.ops.ext.set_cpu_path("sse9"),
                          RuntimeError, "unknown path 'sse9'; use 'portable', 'avx2+fma' or 'avx512'"),
+    # A meta tensor among CPU ones sends the call to the fake kernel, whose result would be uninitialised
+    "meta bias, cpu input": (lambda: ext.linear(torch.ones(2, 3), torch.ones(5, 3), torch.ones(5, device="meta")),
+                             RuntimeError, "ext.linear: bias is on meta but input is on cpu; move them to the same "
+                                           "device"),
+    "meta weight of a module": (lambda: ext.Linear(3, 5, device="meta")(torch.ones(2, 3)),
+                                RuntimeError, "weight is on meta but input is on cpu"),
+    "meta weight, backward": (lambda: torch.ops.ext.linear_backward_input(torch.ones(2, 4),
+                                                                          torch.ones(4, 3, device="meta")),
+                              RuntimeError, "ext.linear_backward_input: weight is on meta but grad_output is on cpu"),
+    "integer meta tensors": (lambda: ext.linear(torch.empty(2, 3, dtype=torch.int64, device="meta"),
+                                                torch.empty(4, 3, dtype=torch.int64, device="meta")),
+                             RuntimeError, "ext.linear: dtype torch.int64 is not supported"),
+    # F.linear refuses a bias of another dtype; adding one that broadcasts would promote the output
+    "broadcast bias of another dtype": (lambda: ext.linear(torch.randn(2, 3), torch.randn(5, 3),
+                                                           torch.randn(1, 5, dtype=torch.float64)),
+                                        RuntimeError, "ext.linear: bias is torch.float64 on cpu but input is "
+                                                      "torch.float32 on cpu"),
 }
 
 

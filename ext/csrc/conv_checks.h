@@ -35,6 +35,8 @@ inline ConvParams conv_params(const char* op, IntPair stride, c10::IntArrayRef p
 inline cpu::ConvGeometry geometry(const char* op, c10::IntArrayRef input_size, c10::IntArrayRef weight_size,
                            const ConvParams& p) {
   const int64_t H = input_size[2], W = input_size[3], R = weight_size[2], S = weight_size[3];
+  TORCH_CHECK(R >= 1 && S >= 1, op, ": the kernel must be at least 1x1, got ", R, "x", S, " (weight shape ",
+              weight_size, ")");
   const int64_t reach_h = p.dilation_h * (R - 1) + 1, reach_w = p.dilation_w * (S - 1) + 1;
   const int64_t padded_h = H + p.pad_top + p.pad_bottom, padded_w = W + p.pad_left + p.pad_right;
   TORCH_CHECK(padded_h >= reach_h && padded_w >= reach_w, op, ": the input, ", H, "x", W, " (", padded_h, "x",
@@ -93,6 +95,9 @@ inline cpu::ConvGeometry checked_backward_input_geometry(const char* op, const a
                                                          Kernels kernels) {
   TORCH_CHECK(input_size.size() == 4 && weight.dim() == 4, op, ": input_size must have 4 values and weight 4 "
               "dimensions, got ", input_size, " and ", weight.sizes());
+  for (int64_t size : input_size) TORCH_CHECK(size >= 0, op, ": input_size must not be negative, got ", input_size);
+  TORCH_CHECK(input_size[1] == weight.size(1), op, ": input_size has ", input_size[1], " channels but weight has ",
+              weight.size(1), " (input_size ", input_size, ", weight shape ", weight.sizes(), ")");
   check_same_device_and_dtype(op, grad_output, "grad_output", weight, "weight");
   check_dtype(op, weight, kernels);
   const cpu::ConvGeometry g = geometry(op, input_size, weight.sizes(), conv_params(op, stride, padding, dilation));
@@ -107,6 +112,7 @@ inline cpu::ConvGeometry checked_backward_weight_geometry(const char* op, const 
   TORCH_CHECK(weight_size.size() == 4 && input.dim() == 4 && weight_size[1] == input.size(1), op,
               ": weight_size must be 4 values whose second is input's channels, got ", weight_size, " and input ",
               input.sizes());
+  for (int64_t size : weight_size) TORCH_CHECK(size >= 0, op, ": weight_size must not be negative, got ", weight_size);
   check_same_device_and_dtype(op, grad_output, "grad_output", input, "input");
   check_dtype(op, input, kernels);
   const cpu::ConvGeometry g = geometry(op, input.sizes(), weight_size, conv_params(op, stride, padding, dilation));
