@@ -131,6 +131,15 @@ def test_one_cycle_trains_short_runs_at_a_useful_lr(epochs):
     ("linear.fuse_relu=maybe", "linear.fuse_relu=maybe is invalid: it must be true or false"),
     ("data.download=maybe", "data.download=maybe is invalid: it must be true or false"),
     ("~seed", "seed is missing"),
+    # settings that would train wrong (a negative lr, lr 0 all run) or fail only after the data loads
+    ("sched.eta_min=-1", "sched.eta_min=-1 is invalid: it must be a number >= 0"),
+    ("sched=none sched.factor=0", "sched.factor=0 is invalid: it must be a number in .0, 1]"),
+    ("sched.T_max=0", "sched.T_max=0 is invalid: it must be a positive integer"),
+    ("sched=onecycle sched.pct_start=1.5", "sched.pct_start=1.5 is invalid"),
+    ("optim=sgd optim.nesterov=maybe", "optim.nesterov=maybe is invalid: it must be true or false"),
+    ("optim.fused=maybe", "optim.fused=maybe is invalid: it must be true, false or null"),
+    ("data.root=null", "data.root=None is invalid: it must be a folder path"),
+    ("data.split_seed=abc", "data.split_seed=abc is invalid: it must be an integer"),
     # a key another option of the group has, which this option's class does not take
     ("+optim.momentum=0.5", "optim.momentum is not a setting of trainer.optim.AdamW: it takes lr, betas, eps,"),
     ("sched=onecycle +sched.eta_min=0", "sched.eta_min is not a setting of torch.optim.lr_scheduler.OneCycleLR"),
@@ -166,6 +175,10 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
     (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
     (["+optim.momentum=0.9"], ["optim.momentum is not a setting of trainer.optim.AdamW"]),
+    # a setting of another option of the group: which option has it, not "did you mean" itself
+    (["optim.momentum=0.9"], ["optim.momentum is not a setting of the chosen optim; optim=sgd has it"]),
+    (["model=resnet18", "model.hidden_sizes=[3]"], ["model.hidden_sizes is not a setting of the chosen model; "
+                                                    "model=mlp has it"]),
 ])
 def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, names):
     result = subprocess.run(

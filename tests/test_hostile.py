@@ -168,6 +168,12 @@ def test_missing_or_corrupt_dataset_files(tmp_path, files, message):
     assert not list((tmp_path / "run").glob("events.out.tfevents.*"))  # no empty run for TensorBoard to list
 
 
+def test_a_dataset_too_large_for_memory_says_so_not_that_it_is_corrupt(tmp_path):
+    result = train_command(["data=fake", "data.image_size=[100000,1000,1000]", f"hydra.run.dir={tmp_path / 'run'}"],
+                           tmp_path)
+    assert_one_line_error(result, "dataset fake does not fit in memory (", "make it smaller (data.train_size")
+
+
 def test_unwritable_data_root_is_named_before_any_download(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("a file where data.root wants a folder")  # unwritable even for root, unlike chmod

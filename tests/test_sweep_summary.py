@@ -172,6 +172,9 @@ def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         summary.main([str(tmp_path / "0_job")])  # a job folder, not a sweep
     assert "holds no job folders" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        summary.main([str(tmp_path / "no_such_sweep")])
+    assert f"{tmp_path / 'no_such_sweep'} is not a folder; give a multirun folder" in capsys.readouterr().err
 
 
 def test_jobs_of_an_earlier_sweep_in_the_same_folder_are_left_out(tmp_path):

@@ -136,6 +136,10 @@ def read_dataset(data_cfg):
         raise
     except Exception as error:  # truncated IDX files, bad pickles...: each reader fails its own way
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+        if isinstance(error, MemoryError) or "can't allocate memory" in str(error):  # torch's CPU allocator
+            raise data.DataError(
+                f"dataset {data_cfg.name} does not fit in memory ({reason}); make it smaller (data.train_size, "
+                "data.val_size, data.image_size)") from error
         raise data.DataError(
             f"dataset {data_cfg.name} in {root} is corrupt ({reason}); replace its files "
             "(data.download=true fetches fresh ones)"

@@ -140,6 +140,12 @@ def unknown_key_message(hydra_message):
     if not match:
         return None
     key = match.group(1)
+    group, _, name = key.partition(".")
+    if key in known_settings() and (CONF_DIR / group).is_dir():  # another option of the group has it
+        options = natural_order(option.stem for option in (CONF_DIR / group).glob("*.yaml")
+                                if name.split(".")[0] in OmegaConf.load(option))
+        return (f"{key} is not a setting of the chosen {group}; {' and '.join(f'{group}={o}' for o in options)} "
+                f"{'has' if len(options) == 1 else 'have'} it (python train.py --cfg job lists the chosen settings)")
     guess = difflib.get_close_matches(key, known_settings(), n=1, cutoff=0.6)
     meant = f"; did you mean {guess[0]}?" if guess else ""
     return f"{key} is not a setting{meant} (python train.py --cfg job lists them all)"
@@ -246,6 +252,16 @@ OPTION_RULES = {
     "model.dropout": FRACTION,
     "optim.weight_decay": Rule(lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
     "optim.momentum": FRACTION,
+    "optim.nesterov": BOOL,
+    "optim.fused": Rule(lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "sched.eta_min": Rule(lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
+    "sched.T_max": POSITIVE_INT,
+    "sched.factor": Rule(lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "sched.total_iters": Rule(lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    "sched.pct_start": Rule(lambda v: is_number(v) and 0 < v < 1, "a number between 0 and 1"),
+    "data.root": Rule(lambda v: isinstance(v, str) and v != "", "a folder path"),
+    "data.split_seed": INT,
+    "data.seed": INT,
     "linear.fuse_relu": BOOL,
 }
 

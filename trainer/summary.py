@@ -327,6 +327,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m trainer.summary", description=main.__doc__)
     parser.add_argument("sweep_dir", type=Path, help="a multirun folder, e.g. outputs/multirun/<date>/<time>")
     sweep_dir = parser.parse_args(argv).sweep_dir
+    if not sweep_dir.is_dir():
+        parser.error(f"{sweep_dir} is not a folder; give a multirun folder, e.g. outputs/multirun/<date>/<time>")
     if not any(sweep_dir.glob("*/.hydra")):
         parser.error(f"{sweep_dir} holds no job folders (<n>_<name>/.hydra/); give a multirun folder")
     print(summarize_sweep(sweep_dir))
