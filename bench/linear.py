@@ -40,7 +40,8 @@ if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
 from bench import peers  # noqa: E402
-from bench.machine import command_line, describe_cpu, write_markdown  # noqa: E402
+from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_seconds,  # noqa: E402
+                           write_markdown)
 from trainer import memory  # noqa: E402
 
 MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
@@ -311,9 +312,9 @@ def main(argv=None) -> None:
                         help="each product against torch, OpenBLAS and oneDNN, every library in its own process "
                              "(bench/peers.py)")
     parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '128x256->10,512x784->256'")
-    parser.add_argument("--min-run-time", type=float, default=None, help="seconds per measurement block")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating torch/ext rounds per pass")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--min-run-time", type=positive_seconds, default=None, help="seconds per measurement block")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="alternating torch/ext rounds per pass")
+    parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the tables as markdown")
     parser.add_argument("--cuda-only", action="store_true", help="only the CUDA tables (float32, TF32, bfloat16)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does: "

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import ext
 from bench.linear import compare, geomean_text, parse_threads, ratio_range, time_interleaved
-from bench.machine import command_line, describe_cpu, write_markdown
+from bench.machine import command_line, describe_cpu, markdown_path, positive_int, positive_seconds, write_markdown
 from trainer import memory
 
 DEFAULT_SHAPES = "128x10,512x10,256x1000,4096x1000,512x32000"
@@ -70,9 +70,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.loss", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES))
     parser.add_argument("--threads", type=parse_threads, default=parse_threads("2,1"))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timed block")
-    parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--min-run-time", type=positive_seconds, default=0.2, help="seconds per timed block")
+    parser.add_argument("--markdown", type=markdown_path, help="also write the tables to this file")
     args = parser.parse_args(argv)
     header = f"{describe_cpu()}; malloc: {memory.set_up()}"  # as the trainer runs: freed memory kept for reuse
     markdown = [command_line("python -m bench.loss", argv), "", header, ""]

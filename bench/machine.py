@@ -1,6 +1,9 @@
 """The machine a figure was measured on, in one line, for every benchmark's header: a figure that does not
 name its CPU cannot be compared with another (this project's CPU has changed under it several times). And
-the command and markdown file that go with a benchmark's tables."""
+the command and markdown file that go with a benchmark's tables, and the argument types the benchmarks'
+command lines share."""
+import argparse
+import math
 import os
 import platform
 import sys
@@ -58,6 +61,38 @@ def describe_device(device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer (rounds, pairs, images, a batch)."""
+    value = int(text) if text.strip().isdigit() else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers, '1280,5120' -> [1280, 5120]."""
+    return [positive_int(item) for item in text.split(",")]
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a positive, finite number of seconds (an infinite block would never end)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+    return value
+
+
+def markdown_path(text: str) -> str:
+    """argparse type: a file whose folder exists, checked before the benchmark runs rather than after it."""
+    folder = Path(text).expanduser().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: its folder {folder} does not exist")
+    return text
 
 
 def write_markdown(path, lines, announce: bool = True) -> None:

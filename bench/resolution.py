@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import command_line, describe_cpu, write_markdown
+from bench.machine import command_line, describe_cpu, markdown_path, positive_int, positive_ints, write_markdown
 from trainer import summary, timing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,22 +29,25 @@ def run_once(folder, train_size, threads):
     overrides = ["model=mlp", "linear=torch", "data=fake", "data.image_size=[1,28,28]",
                  f"data.train_size={train_size}", "data.val_size=16", "data.batch_size=128", f"trainer.epochs={EPOCHS}",
                  f"trainer.threads={threads}", f"hydra.run.dir={folder}"]
-    subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, check=True,
-                   capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, capture_output=True,
+                            text=True)
+    if result.returncode != 0:  # train.py's own one-line reason, not a CalledProcessError's traceback
+        reason = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+        sys.exit(f"python -m bench.resolution: a run of train.py failed: {reason}")
     return summary.read_run_summary(folder)[summary.STEP_TIMES_KEY]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.resolution", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1280,5120,20480,40960", help="training images per run, comma-separated")
-    parser.add_argument("--pairs", type=int, default=3, help="pairs of identical runs per size")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown")
+    parser.add_argument("--sizes", type=positive_ints, default="1280,5120,20480,40960", help="training images per run, comma-separated")
+    parser.add_argument("--pairs", type=positive_int, default=3, help="pairs of identical runs per size")
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the table as markdown")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for size in (int(text) for text in args.sizes.split(",")):
+        for size in args.sizes:
             for pair in range(args.pairs):
                 first, second = (run_once(Path(scratch, f"{size}-{pair}-{side}"), size, args.threads)
                                  for side in ("a", "b"))

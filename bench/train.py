@@ -21,21 +21,11 @@ import statistics
 import torch
 
 import data
-from bench.machine import command_line, describe_cpu, describe_device, write_markdown
+from bench.machine import command_line, describe_cpu, describe_device, markdown_path, positive_int, write_markdown
 import train
 from trainer import build, config, logs, memory, timing
 
 COMPILED_TORCH = "torch.compile"  # the third side of --compiled-torch
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
 
 
 def main(argv=None):
@@ -52,7 +42,7 @@ def main(argv=None):
                         help="add a third side: linear=torch under torch.compile, what a user would try first")
     parser.add_argument("--conv", action="store_true",
                         help="the custom side runs conv=custom too (the torch sides conv=torch)")
-    parser.add_argument("--markdown", metavar="FILE", help="also write the results as a markdown table")
+    parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the results as a markdown table")
     parser.add_argument("overrides", nargs="*",
                         help="more trainer overrides, e.g. model.hidden_sizes=[512,512], model=resnet18, "
                              "trainer.amp=true, trainer.channels_last=true, trainer.compile=true (both sides)")
