@@ -40,7 +40,8 @@ def run_once(folder, train_size, threads):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.resolution", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=positive_ints, default="1280,5120,20480,40960", help="training images per run, comma-separated")
+    parser.add_argument("--sizes", type=positive_ints, default="1280,5120,20480,40960",
+                        help="training images per run, comma-separated")
     parser.add_argument("--pairs", type=positive_int, default=3, help="pairs of identical runs per size")
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the table as markdown")

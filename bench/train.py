@@ -42,7 +42,8 @@ def main(argv=None):
                         help="add a third side: linear=torch under torch.compile, what a user would try first")
     parser.add_argument("--conv", action="store_true",
                         help="the custom side runs conv=custom too (the torch sides conv=torch)")
-    parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the results as a markdown table")
+    parser.add_argument("--markdown", metavar="FILE", type=markdown_path,
+                        help="also write the results as a markdown table")
     parser.add_argument("overrides", nargs="*",
                         help="more trainer overrides, e.g. model.hidden_sizes=[512,512], model=resnet18, "
                              "trainer.amp=true, trainer.channels_last=true, trainer.compile=true (both sides)")
