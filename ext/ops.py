@@ -331,7 +331,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int =
         return torch.ops.ext.cross_entropy(input, target, ignore_index)
     if not (isinstance(ignore_index, int) and not isinstance(ignore_index, bool) and -2**63 <= ignore_index < 2**63):
         raise TypeError(f"ext.cross_entropy: ignore_index must be an integer (a class index, -100 by default), "
-                        f"got {ignore_index!r}")
+                        f"got {ignore_index}")
     if has_torch_function((input, target)) or _transforms_active():
         return torch.nn.functional.cross_entropy(input, target, ignore_index=ignore_index)
     return _CROSS_ENTROPY(input, target, ignore_index)
