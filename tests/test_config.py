@@ -175,6 +175,9 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
     (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
     (["+optim.momentum=0.9"], ["optim.momentum is not a setting of trainer.optim.AdamW"]),
+    (["hydra.run.dir=/proc/no_run_here"], ["hydra.run.dir=/proc/no_run_here cannot be made (No such file"]),
+    (["-m", "hydra.sweep.dir=/proc/no_sweep_here", "linear=torch,custom"], ["hydra.sweep.dir=/proc/no_sweep_here "
+                                                                            "cannot be made"]),
     # a setting of another option of the group: which option has it, not "did you mean" itself
     (["optim.momentum=0.9"], ["optim.momentum is not a setting of the chosen optim; optim=sgd has it"]),
     (["model=resnet18", "model.hidden_sizes=[3]"], ["model.hidden_sizes is not a setting of the chosen model; "

@@ -126,6 +126,13 @@ def check_command_line(argv):
             fail(unknown_key_message(str(error)) or " ".join(str(error).split("\n")))
         except ConfigError as error:
             fail(str(error))
+    for override in overrides:  # the run or sweep folder, given as a path: Hydra's failure to make it is a traceback
+        key, value = override.get_key_element(), override.value()
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and isinstance(value, str) and "${" not in value:
+            try:
+                Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                fail(f"{key}={value} cannot be made ({error.strerror}); give a folder that can be written")
 
 
 def natural_order(names):
