@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ext.ops import check_same_device, linear
+from torch.nn import functional as F
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ext.ops import _transforms_active, check_same_device, linear
 
 _CONV2D = torch.ops.ext.conv2d.default
 
@@ -82,8 +85,9 @@ def _paddings(padding, kernel_size, stride, dilation):
     return top, top, left, left
 
 
-def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride=1, padding=0,
-           dilation=1, groups: int = 1) -> torch.Tensor:
+def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           stride: int | tuple[int, int] | list[int] = 1, padding: int | tuple[int, int] | list[int] | str = 0,
+           dilation: int | tuple[int, int] | list[int] = 1, groups: int = 1) -> torch.Tensor:
     """A 2-D convolution with our kernels; the same contract as F.conv2d for groups=1.
 
     input (N, C, H, W) or unbatched (C, H, W), in any memory format; weight (K, C, R, S);
@@ -96,8 +100,13 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         >>> y.shape
         torch.Size([8, 64, 32, 32])
     """
+    if torch.jit.is_scripting():  # TorchScript compiles this branch only (but parses all: no f"{x!r}" here)
+        return _scripted_conv2d(input, weight, bias, stride, padding, dilation, groups)
+    if has_torch_function((input, weight, bias)):  # fx Proxies, tensor subclasses, torch function modes
+        return handle_torch_function(conv2d, (input, weight, bias), input, weight, bias, stride, padding, dilation,
+                                     groups)
     if not (isinstance(groups, int) and not isinstance(groups, bool) and groups == 1):
-        raise ValueError(f"ext.conv2d: groups={groups!r} is not supported (only the int 1); run this layer with "
+        raise ValueError(f"ext.conv2d: groups={repr(groups)} is not supported (only the int 1); run this layer with "
                          "torch's convolution (conv=torch, or leave it an nn.Conv2d)")
     for name, value in (("input", input), ("weight", weight)):
         if not isinstance(value, torch.Tensor):
@@ -114,7 +123,9 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     padding = _paddings(padding, tuple(weight.shape[2:]), stride, dilation)
     unbatched = input.dim() == 3
     batched = input.unsqueeze(0) if unbatched else input
-    if _is_pointwise_channels_last(batched, weight, bias, stride, padding):
+    if _transforms_active():
+        output = _patches_conv2d(batched, weight, bias, stride, padding, dilation)
+    elif _is_pointwise_channels_last(batched, weight, bias, stride, padding):
         output = _pointwise_channels_last(batched, weight, bias)
     else:
         output = _CONV2D(batched, weight, bias, stride, padding, dilation)
@@ -126,10 +137,17 @@ def _is_pointwise_channels_last(input, weight, bias, stride, padding):
     Only with arguments the op takes (one dtype and device, bias (K,) or None): for any other the op names what
     is wrong, where ext.linear would broadcast a bias or speak of a linear layer."""
     arguments_fit = all(t.dtype == input.dtype and t.device == input.device for t in (weight, bias) if t is not None) \
-        and (bias is None or tuple(bias.shape) == (weight.shape[0],))
+        and (bias is None or tuple(bias.shape) == (weight.shape[0],)) \
+        and _kernel_dtype(input)
     return (tuple(weight.shape[2:]) == (1, 1) and stride == (1, 1) and padding == (0, 0, 0, 0)
             and input.dim() == 4 and input.shape[1] == weight.shape[1] and input.numel() > 0 and arguments_fit
             and input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous())
+
+
+def _kernel_dtype(input):
+    """A dtype the kernels take (checks.h: 16-bit on CUDA only), or one autocast will cast to one."""
+    return (input.dtype in (torch.float32, torch.float64) or torch.is_autocast_enabled(input.device.type)
+            or (input.is_cuda and input.dtype in (torch.float16, torch.bfloat16)))
 
 
 def _pointwise_channels_last(input, weight, bias):
@@ -140,3 +158,64 @@ def _pointwise_channels_last(input, weight, bias):
     rows = input.permute(0, 2, 3, 1).reshape(n * h * w, c)  # a view: NHWC is row-major in these rows
     output = linear(rows, weight.reshape(weight.shape[0], c), bias)
     return output.view(n, h, w, weight.shape[0]).permute(0, 3, 1, 2)
+
+
+def _patches_conv2d(input, weight, bias, stride, padding, dilation):
+    """The convolution under torch.func transforms and forward-mode AD, which the op's C++ autograd cannot
+    serve: ext.linear, which can (to any order), on the input's patches (im2col, F.unfold). The same sums
+    in another order; the patches take C·R·S values a pixel, a price paid only while a transform is active."""
+    _check_arguments(input, weight, bias, stride, padding, dilation)
+    if input.shape[0] == 0:
+        return _CONV2D(input, weight, bias, stride, padding, dilation)
+    top, bottom, left, right = padding
+    padded = F.pad(input, (left, right, top, bottom))
+    height = _output_size(input.shape[2], weight.shape[2], stride[0], top + bottom, dilation[0])
+    width = _output_size(input.shape[3], weight.shape[3], stride[1], left + right, dilation[1])
+    patches = F.unfold(padded, tuple(weight.shape[2:]), dilation=dilation, stride=stride)  # (N, C·R·S, H'·W')
+    output = linear(patches.transpose(1, 2), weight.reshape(weight.shape[0], -1), bias)  # (N, H'·W', K)
+    if _fake_format(input, weight) == torch.channels_last:  # F.conv2d's layout (vmap cannot ask for one by name)
+        return output.view(input.shape[0], height, width, weight.shape[0]).permute(0, 3, 1, 2)
+    return output.transpose(1, 2).reshape(input.shape[0], weight.shape[0], height, width).contiguous()
+
+
+def _check_arguments(input, weight, bias, stride, padding, dilation):
+    """The op's own one-line refusals where a transform would refuse the op first: the op on (at most) one
+    image of the same shape, dtype and device, outside the transforms."""
+    def like(tensor, shape):
+        return None if tensor is None else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    with torch._C._DisableFuncTorch(), torch._C._AutoDispatchBelowAutograd():  # the kernel, no autograd
+        _CONV2D(like(input, (min(input.shape[0], 1), *input.shape[1:])), like(weight, weight.shape),
+                like(bias, bias.shape if bias is not None else None), stride, padding, dilation)
+
+
+def _scripted_pair(value: int | tuple[int, int] | list[int]) -> list[int]:
+    if isinstance(value, int):
+        return [value, value]
+    if isinstance(value, list):
+        return value if len(value) == 2 else [value[0], value[0]]
+    return [value[0], value[1]]
+
+
+def _scripted_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     stride: int | tuple[int, int] | list[int], padding: int | tuple[int, int] | list[int] | str,
+                     dilation: int | tuple[int, int] | list[int], groups: int) -> torch.Tensor:
+    """conv2d as TorchScript runs it (torch.jit.script of an ext.Conv2d, or of code calling ext.conv2d):
+    F.conv2d's forms of the arguments turned into the op's, and the op, whose C++ autograd needs no Python."""
+    if groups != 1:
+        raise ValueError("ext.conv2d: only groups=1 is supported; run this layer with torch's convolution")
+    strides, dilations = _scripted_pair(stride), _scripted_pair(dilation)
+    if isinstance(padding, str):
+        if padding == "valid":
+            paddings = [0, 0, 0, 0]
+        else:
+            if padding != "same" or strides != [1, 1]:
+                raise ValueError("ext.conv2d: padding must be 'valid', 'same' (stride 1) or numbers")
+            total = [dilations[0] * (weight.shape[2] - 1), dilations[1] * (weight.shape[3] - 1)]
+            paddings = [total[0] // 2, total[0] - total[0] // 2, total[1] // 2, total[1] - total[1] // 2]
+    else:
+        pair = _scripted_pair(padding)
+        paddings = [pair[0], pair[0], pair[1], pair[1]]
+    unbatched = input.dim() == 3
+    output = torch.ops.ext.conv2d(input.unsqueeze(0) if unbatched else input, weight, bias, strides, paddings,
+                                  dilations)
+    return output.squeeze(0) if unbatched else output

@@ -3,7 +3,7 @@ replace_linears and replace_convs, which convert a model's layers in place."""
 from collections import Counter
 from typing import Optional
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
@@ -166,7 +166,7 @@ class Conv2d(nn.Conv2d):
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, device, dtype)
 
-    def _conv_forward(self, input, weight, bias):
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Optional[Tensor]):  # typed for TorchScript
         if self.padding_mode != "zeros":  # nn.Conv2d's own handling of the other modes
             return conv2d(F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode), weight,
                           bias, self.stride, 0, self.dilation)

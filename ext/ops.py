@@ -273,6 +273,8 @@ def _add_broadcast_bias(output, input, bias):
     if not broadcasts:
         raise RuntimeError(f"ext.linear: bias of shape {list(bias.shape)} does not broadcast to the output's "
                            f"shape {list(shape)}; give it shape [{output.shape[-1] if output.dim() else 1}]")
+    if torch.is_autocast_enabled(output.device.type) and bias.is_floating_point() and bias.device == output.device:
+        bias = bias.to(output.dtype)  # autocast casts every operand of F.linear, its bias too
     if bias.dtype != output.dtype or bias.device != output.device:  # F.linear refuses them; + would promote
         raise RuntimeError(f"ext.linear: bias is {bias.dtype} on {bias.device} but input is {input.dtype} on "
                            f"{input.device}; give bias the input's dtype and device")
@@ -334,4 +336,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int =
                         f"got {ignore_index}")
     if has_torch_function((input, target)) or _transforms_active():
         return torch.nn.functional.cross_entropy(input, target, ignore_index=ignore_index)
+    for name, value in (("input", input), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"ext.cross_entropy: {name} must be a torch.Tensor, got {type(value).__name__}")
     return _CROSS_ENTROPY(input, target, ignore_index)

@@ -310,6 +310,8 @@ def test_cpu_autocast_runs_float32():
                         torch.randn(1)), "ext.conv2d: bias must have shape [6]"),
     (lambda: ext.conv2d(torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last), torch.randn(6, 4, 1, 1),
                         torch.randn(6, dtype=torch.float64)), "ext.conv2d: bias is Double but weight is Float"),
+    (lambda: ext.conv2d(torch.randn(2, 4, 3, 3).half().to(memory_format=torch.channels_last),
+                        torch.randn(6, 4, 1, 1).half()), "ext.conv2d: dtype Half is not supported on the CPU"),
     # the backward ops called by hand: input_size or weight_size that cannot be the forward's
     (lambda: torch.ops.ext.conv2d_backward_input(torch.randn(1, 1, 3, 3), torch.randn(1, 2, 3, 3), [1, 3, 5, 5],
                                                  [1, 1], [0, 0, 0, 0], [1, 1]),
@@ -503,3 +505,150 @@ def test_a_linear_by_conv_sweep_runs_and_compares_each_choice(tmp_path):
     assert "## linear=custom vs linear=torch" in linear_part and "not a kernel comparison" in linear_part
     assert conv_part.count(" linear=torch` |") == 1 and conv_part.count(" linear=custom` |") == 1
     assert conv_part.count("100% of the FLOPs") == 2
+
+
+def test_torch_fx_records_one_call_per_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, stride=2))
+    ext.replace_convs(model)
+    traced = torch.fx.symbolic_trace(model)
+    targets = [node.target for node in traced.graph.nodes if node.op == "call_function"]
+    assert targets.count(ext.conv2d) == 2
+    input = torch.randn(2, 3, 9, 9)
+    torch.testing.assert_close(traced(input), model(input))
+
+
+class FunctionCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.functions = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.functions.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_function_modes_see_ext_conv2d():
+    input, weight = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    with FunctionCalls() as log:
+        output = ext.conv2d(input, weight, padding=1)
+    assert log.functions == [ext.conv2d]
+    torch.testing.assert_close(output, F.conv2d(input, weight, padding=1))
+
+
+script_is_deprecated = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.(script|save|load)` is deprecated:FutureWarning")
+
+SCRIPTED_LAYERS = {  # nn.Conv2d's forms of the arguments, each as TorchScript sees them (constants of the module)
+    "ints": dict(padding=1),
+    "pairs": dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+    "same": dict(padding="same", dilation=2),
+    "valid": dict(padding="valid"),
+    "reflect": dict(padding=1, padding_mode="reflect"),
+}
+
+
+@script_is_deprecated
+@pytest.mark.parametrize("layer", SCRIPTED_LAYERS)
+def test_torch_jit_script_of_a_model_matches_eager(layer):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, **SCRIPTED_LAYERS[layer]), nn.ReLU(), nn.Conv2d(4, 2, 1)).double()
+    ext.replace_convs(model)
+    scripted = torch.jit.script(model)
+    input = torch.randn(2, 3, 8, 9, dtype=torch.float64)
+    for batch in (input, input[0]):  # and unbatched
+        with OpLog() as log:
+            output = scripted(batch)
+        assert log.ops.count("ext.conv2d") == 2 and "aten.convolution" not in log.ops
+        torch.testing.assert_close(output, model(batch), rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(scripted(input).square().sum(), list(scripted.parameters()))
+    expected = torch.autograd.grad(model(input).square().sum(), list(model.parameters()))
+    torch.testing.assert_close(grads, expected, rtol=1e-12, atol=1e-12)
+
+
+@script_is_deprecated
+def test_scripted_conv2d_function_matches_f_conv2d():
+    scripted = torch.jit.script(ext.conv2d)
+    x, w, b = torch.randn(2, 3, 7, 8, dtype=torch.float64), torch.randn(4, 3, 3, 2, dtype=torch.float64), None
+    for kwargs in (dict(), dict(stride=2, padding=[1, 0]), dict(padding="same", dilation=(2, 1)), dict(padding="valid")):
+        for bias in (b, torch.randn(4, dtype=torch.float64)):
+            torch.testing.assert_close(scripted(x, w, bias, **kwargs), F.conv2d(x, w, bias, **kwargs),
+                                       rtol=1e-12, atol=1e-12)
+    with pytest.raises(Exception, match="only groups=1 is supported"):
+        scripted(x, w, None, groups=3)
+
+
+def conv_forward_ad_tangent(fn, x, w, b):
+    with torch.autograd.forward_ad.dual_level():
+        dual = [torch.autograd.forward_ad.make_dual(t, torch.ones_like(t)) for t in (x, w, b)]
+        return torch.autograd.forward_ad.unpack_dual(fn(*dual)).tangent
+
+
+CONV_TRANSFORMS = {  # fn(input, weight, bias) -> what the transform computes through fn
+    "grad": lambda fn, x, w, b: torch.func.grad(lambda x, w, b: fn(x, w, b).square().sum(), argnums=(0, 1, 2))(x, w, b),
+    "vmap over inputs": lambda fn, x, w, b: torch.func.vmap(lambda x: fn(x, w, b))(torch.stack([x, 2 * x, -x])),
+    "vmap over weights": lambda fn, x, w, b: torch.func.vmap(lambda w, b: fn(x, w, b))(torch.stack([w, -w]),
+                                                                                        torch.stack([b, 3 * b])),
+    "per-sample grads": lambda fn, x, w, b: torch.func.vmap(
+        torch.func.grad(lambda w, b, image: fn(image, w, b).square().sum(), argnums=(0, 1)),
+        in_dims=(None, None, 0))(w, b, x),
+    "jacrev": lambda fn, x, w, b: torch.func.jacrev(fn, argnums=(0, 1, 2))(x, w, b),
+    "jacfwd": lambda fn, x, w, b: torch.func.jacfwd(fn, argnums=(0, 1, 2))(x, w, b),
+    "hessian": lambda fn, x, w, b: torch.func.hessian(lambda w: fn(x, w, b).square().sum())(w),
+    "forward-mode AD": conv_forward_ad_tangent,
+}
+CONV_TRANSFORM_ARGUMENTS = [dict(), dict(stride=2, padding=1), dict(padding=(2, 0), dilation=(1, 2)),
+                            dict(padding="same")]
+
+
+@pytest.fixture
+def vmap_needs_batching_rules():
+    # Without this, vmap runs an op with no batching rule once per sample, silently.
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    yield
+    torch._C._functorch._set_vmap_fallback_enabled(True)
+
+
+@pytest.mark.parametrize("arguments", CONV_TRANSFORM_ARGUMENTS, ids=str)
+@pytest.mark.parametrize("transform", CONV_TRANSFORMS)
+def test_torch_func_transforms_match_f_conv2d(transform, arguments, vmap_needs_batching_rules):
+    # The op's C++ autograd serves no transform: ext.conv2d runs as ext.linear (which does) on the input's patches.
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 3, 5, 6, dtype=torch.float64), torch.randn(4, 3, 3, 2, dtype=torch.float64), \
+        torch.randn(4, dtype=torch.float64)
+
+    def ours(x, w, b):
+        return ext.conv2d(x, w, b, **arguments)
+
+    def reference(x, w, b):
+        return F.conv2d(x, w, b, **arguments)
+
+    with OpLog() as log:
+        result = CONV_TRANSFORMS[transform](ours, x, w, b)
+    assert "aten.convolution" not in log.ops and "ext.linear" in log.ops
+    torch.testing.assert_close(result, CONV_TRANSFORMS[transform](reference, x, w, b), rtol=1e-10, atol=1e-10)
+
+
+def test_under_a_transform_the_output_keeps_f_conv2ds_layout():
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(4, 3, 3, 3)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        for input in (dual, dual.contiguous()):
+            output = torch.autograd.forward_ad.unpack_dual(ext.conv2d(input, w, padding=1)).primal
+            expected = F.conv2d(input.detach(), w, padding=1)
+            assert output.stride() == expected.stride()
+            torch.testing.assert_close(output, expected)
+
+
+
+@pytest.mark.parametrize("image, kwargs, message", [
+    ((1, 4, 5, 5), dict(), "input has 4 channels but weight expects 3"),
+    ((1, 3, 2, 2), dict(), "smaller than the kernel's reach"),
+    ((1, 3, 5, 5), dict(padding=(-1, 0)), "padding must not be negative"),
+    ((1, 3, 5, 5), dict(bias=torch.randn(2)), "bias must have shape [4]"),
+])
+def test_under_a_transform_refusals_are_the_ops_own_line(image, kwargs, message):
+    w = torch.randn(4, 3, 3, 3)
+    with pytest.raises(RuntimeError) as error:
+        torch.func.grad(lambda w: ext.conv2d(torch.randn(image), w, **kwargs).sum())(w)
+    assert message in str(error.value) and len(str(error.value).splitlines()) == 1

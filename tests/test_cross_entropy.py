@@ -96,6 +96,10 @@ def test_minus_infinity_logits_and_nan_logits_behave_as_in_torch():
     torch.testing.assert_close(loss, reference_loss, rtol=1e-13, atol=0)
     torch.testing.assert_close(grad, reference_grad, equal_nan=True, rtol=1e-13, atol=1e-16)
     assert grad[1:3].isnan().all()
+    for which in (ext.cross_entropy, F.cross_entropy):  # the same with create_graph, through the double-backward path
+        leaf = logits.detach().requires_grad_()
+        (grad_with_graph,) = torch.autograd.grad(which(leaf, ignored), leaf, create_graph=True)
+        torch.testing.assert_close(grad_with_graph, reference_grad, equal_nan=True, rtol=1e-13, atol=1e-16)
     target[0] = 0 if target[0] == 1 else target[0]
     assert_matches_torch(logits[:1], target[:1])
 
@@ -107,6 +111,13 @@ def test_a_target_that_is_no_class_is_refused_in_one_line():
         with pytest.raises(IndexError, match=rf"^ext.cross_entropy: target {bad} \(row 2\) is not a class index: "
                                              r"with 10 classes, targets are 0..9 \(or ignore_index=-100"):
             ext.cross_entropy(logits, target)
+
+
+def test_an_input_or_target_that_is_no_tensor_is_refused_in_one_line():
+    with pytest.raises(TypeError, match=r"^ext.cross_entropy: target must be a torch.Tensor, got list$"):
+        ext.cross_entropy(torch.randn(3, 4), [0, 1, 2])
+    with pytest.raises(TypeError, match=r"^ext.cross_entropy: input must be a torch.Tensor, got float$"):
+        ext.cross_entropy(1.0, torch.tensor([0]))
 
 
 @pytest.mark.parametrize("ignore_index", [1.5, None, 2**70, True])

@@ -157,6 +157,19 @@ def test_biases_that_broadcast_like_f_linear(fn, reference, input_shape, bias_sh
 
 @pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
                          ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("bias_shape", [(1, 5), (4, 5)], ids=str)
+def test_under_cpu_autocast_a_broadcast_bias_of_any_float_dtype_is_cast_as_f_linears(fn, reference, bias_shape):
+    input, weight = torch.randn(4, 7), torch.randn(5, 7)
+    for bias in (torch.randn(bias_shape).bfloat16(), torch.randn(bias_shape, dtype=torch.float64)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = fn(input.bfloat16(), weight, bias)
+        assert output.dtype == torch.float32  # our op runs float32 under CPU autocast
+        expected = reference(input.bfloat16().float(), weight, bias.float())  # every operand as float32
+        torch.testing.assert_close(output, expected)
+
+
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
+                         ids=["linear", "linear_relu"])
 @pytest.mark.parametrize("layout, component_shapes", [
     (torch.jagged, [(2, 7), (5, 7), (1, 7)]),
     (torch.jagged, [(2, 3, 7), (4, 3, 7)]),  # more dimensions after the ragged one

@@ -109,7 +109,8 @@ class Conv2dFunction : public torch::autograd::Function<Conv2dFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     TORCH_CHECK(!at::GradMode::is_enabled(), "ext.conv2d: its backward cannot be differentiated again "
-                "(create_graph=True, double backward); run this layer with torch's convolution (conv=torch)");
+                "(create_graph=True, double backward); take higher derivatives with torch.func (grad of grad, hessian), "
+                "which ext.conv2d serves, or run this layer with torch's convolution (conv=torch)");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &weight = saved[1], &grad_output = grad_outputs[0];
     const auto stride = ctx->saved_data["stride"].toIntVector();

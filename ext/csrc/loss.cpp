@@ -254,11 +254,12 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
       // create_graph (or anything unusual): the same formula from differentiable ops
       const auto counted_rows = target.ne(ignore_index).unsqueeze(1);
       const auto one_hot = at::one_hot(at::where(counted_rows.squeeze(1), target, 0), input.size(1));
-      // (a mean of no rows has no gradient: divided by 1 rather than 0, so that where's backward
-      // multiplies 0 by a finite factor, as torch's double backward gives 0 there)
+      // (a mean of no rows has no gradient: divided by 1 rather than 0, so that the mask's backward
+      // multiplies 0 by a finite factor, as torch's double backward gives 0 there). Ignored rows are
+      // multiplied by 0, not replaced by it: NaN where their logits make the softmax NaN, as torch's.
       const auto grad_input =
           at::softmax(input, 1).sub(one_hot.to(input.scalar_type())).mul(grad.div(std::max(counted, 1.0)));
-      return {at::where(counted_rows, grad_input, at::zeros_like(grad_input)), at::Tensor(), at::Tensor()};
+      return {grad_input.mul(counted_rows.to(input.scalar_type())), at::Tensor(), at::Tensor()};
     }
     RECORD_FUNCTION("ext::cross_entropy_backward", std::vector<c10::IValue>());
     const int64_t rows = exps.size(0), classes = exps.size(1);
