@@ -38,7 +38,7 @@ from trainer.config import ConfigError, check_command_line, fail, overridden_key
 from trainer.distributed import (join_process_group, step_batch_size, summed_over_processes,
                                  torchrun_arguments, world)
 from trainer.logs import (describe, describe_data, file_log, log, logging_to, reporting_interrupts,
-                          tensorboard_writer, write_hparams, write_scalars)
+                          set_aside_earlier_run, tensorboard_writer, write_hparams, write_scalars)
 from trainer.timing import StepClock, mean_interval, timed_steps
 
 PROGRESS_EVERY_STEPS = 20  # the progress bar reads the loss (a device sync) only this often
@@ -135,16 +135,20 @@ def fit(cfg, run_dir):
     resume_path = checkpoint.find(cfg.trainer.resume) if cfg.trainer.resume else None
     resumed = checkpoint.load(resume_path) if resume_path else None
     first_epoch = resumed["epoch"] + 1 if resumed else 1
-    if first_epoch > cfg.trainer.epochs:
+    # A run stopped after its last epoch's checkpoint but before its summary resumes to write the summary alone.
+    if first_epoch > cfg.trainer.epochs and (run_dir / summary.RUN_SUMMARY_NAME).is_file():
         raise CheckpointError(
             f"{resume_path} already finished all {cfg.trainer.epochs} epochs; "
             "evaluate it with trainer.eval_only=true, or start a new run"
         )
+    earlier = set_aside_earlier_run(run_dir) if is_main and not resumed else None
     with (
         logging_to(run_dir / "train.log") if is_main else nullcontext(),
         reporting_interrupts(run_dir) if is_main else nullcontext(),
         ExitStack() as closing,
     ):
+        if earlier:
+            log.info(f"this folder held an earlier run: its results are now in {earlier}")
         log.info(f"loading {cfg.data.name} ...")
         loading_started_s = time.perf_counter()
         dataset = read_dataset(cfg.data)  # before the events file: a missing dataset leaves no empty run behind
@@ -179,6 +183,9 @@ def fit(cfg, run_dir):
             warmup_epochs = [*resumed.get("warmup_epochs", [0]), len(step_times_s)]  # this process warms up too
             overridden = resumed.get("overridden", overridden)  # the run's own command line, not the resume's
             log.info(f"resumed after epoch {resumed['epoch']} from {resume_path}")
+            if first_epoch > cfg.trainer.epochs:
+                log.info("every epoch was done: writing the run's summary, which the stopped run did not")
+        val_acc = history[-1]["val/acc"] if history else None
         for epoch in range(first_epoch, cfg.trainer.epochs + 1):
             lr = optimizer.param_groups[0]["lr"]
             try:
@@ -300,7 +307,9 @@ def train_one_epoch(model, loader, optimizer, device, progress=None, settings=No
         labels = labels.to(device, non_blocking=True)
         with settings.autocast(device.type):
             logits = model(images)
-            batch_loss = loss_function(logits, labels)  # this process's mean
+            # this process's mean; an empty share (a last batch smaller than the processes) adds 0, not 0/0,
+            # and still runs the backward that DDP's gradient averaging waits for
+            batch_loss = loss_function(logits, labels) if len(labels) else logits.sum() * 0
         loss = batch_loss
         if world_size > 1:
             # the mean over the step's whole batch, of which this process holds a part, times world_size

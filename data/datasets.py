@@ -3,6 +3,7 @@ per-channel mean and std of its training split. The official test split serves a
 for digits, which has none and is split with a fixed seed.
 """
 import pickle
+import socket
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,16 +126,23 @@ def read_fake(root, download, train_size=1024, val_size=256, image_size=(3, 32, 
     return *draw(train_size, train), *draw(val_size, val), num_classes
 
 
+DOWNLOAD_TIMEOUT_S = 60  # a connection or read that waits longer for the server fails the download
+
+
 def ensure_files(folder, file_names, download, fetch):
     """Fetch missing files when download is on; otherwise fail with one line naming the folder."""
     missing = [name for name in file_names if not (folder / name).is_file()]
     if missing and download:
+        timeout_s = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)  # torchvision's fetch has none: a silent network hung it
         try:
             fetch()
         except Exception as error:  # network errors come in many types; all end the run the same way
             reason = " ".join(str(error).split())  # torchvision's reasons span lines; ours is one
             message = f"download into {folder} failed ({reason}); without internet, copy the files there"
             raise DataError(message) from error
+        finally:
+            socket.setdefaulttimeout(timeout_s)
         missing = [name for name in file_names if not (folder / name).is_file()]
     if missing:
         raise DataError(

@@ -1,4 +1,5 @@
 """conf/: every option of every group composes and builds; bad settings fail in one line."""
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,20 @@ def test_a_digits_split_with_an_empty_side_is_refused(fraction):
         build.read_dataset(cfg.data)
 
 
+def test_adamws_betas_eps_and_amsgrad_are_settings_that_reach_the_optimizer():
+    cfg = config.load_config(["optim.betas=[0.8,0.99]", "optim.eps=1e-6", "optim.amsgrad=true", *TINY_FAKE])
+    config.validate(cfg)
+    optimizer = build_run(cfg)[2]
+    group = optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.8, 0.99) and group["eps"] == 1e-6 and group["amsgrad"] is True
+    saved = io.BytesIO()  # plain Python values, no OmegaConf ListConfig: the checkpoint loads with weights_only
+    torch.save(optimizer.state_dict(), saved)
+    assert torch.load(io.BytesIO(saved.getvalue()), weights_only=True)["param_groups"][0]["eps"] == 1e-6
+    config.check_command_line(["+optim.maximize=false"])  # any parameter of the class, with +; a wrong one is named
+    with pytest.raises(config.ConfigError, match="optim.foo is not a setting of trainer.optim.AdamW: it takes lr, betas"):
+        config.validate(config.load_config(["+optim.foo=1"]))
+
+
 def test_cuda_device_is_rejected_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -175,6 +190,12 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["model.hidden_sizes=[1,2"], ["cannot read 'model.hidden_sizes=[1,2'", "key=[a,b]"]),
     (["trainer.epochs 3"], ["cannot read 'trainer.epochs 3'"]),
     (["+optim.momentum=0.9"], ["optim.momentum is not a setting of trainer.optim.AdamW"]),
+    (["optim.betas=[0.9,1.5]"], ["optim.betas=[0.9, 1.5] is invalid: it must be [beta1, beta2], each a number in"]),
+    # a search must go the way its objective improves (the sweeper would report the worst trial as the best)
+    (["-m", "search=mlp_lr", "trainer.objective=val/loss"], ["hydra.sweeper.direction=maximize would search for "
+                                                             "the worst trainer.objective=val/loss",
+                                                             "add hydra.sweeper.direction=minimize"]),
+    (["-m", "search=mlp_lr", "hydra.sweeper.direction=minimize"], ["add hydra.sweeper.direction=maximize"]),
     (["hydra.run.dir=/proc/no_run_here"], ["hydra.run.dir=/proc/no_run_here cannot be made (No such file"]),
     (["-m", "hydra.sweep.dir=/proc/no_sweep_here", "linear=torch,custom"], ["hydra.sweep.dir=/proc/no_sweep_here "
                                                                             "cannot be made"]),

@@ -1,6 +1,8 @@
 """data/: every dataset read offline from its real on-disk format, normalised, and batched."""
 import pickle
+import socket
 import struct
+import urllib.request
 
 import numpy as np
 import pytest
@@ -107,6 +109,20 @@ def test_failed_download_is_one_line_naming_the_folder(tmp_path):
         data.datasets.ensure_files(tmp_path / "MNIST" / "raw", ["train-images-idx3-ubyte"], True, offline_fetch)
     message = str(error.value)
     assert "\n" not in message and str(tmp_path / "MNIST" / "raw") in message and "<no network>" in message
+
+
+def test_a_download_from_a_network_that_never_answers_times_out_in_one_line(tmp_path, monkeypatch):
+    # a stalled proxy or firewall: the connection is taken, and no byte ever comes back
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        monkeypatch.setattr(datasets, "DOWNLOAD_TIMEOUT_S", 0.5)
+
+        def fetch():  # as torchvision's download_url fetches: urlopen with no timeout of its own
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/train-images-idx3-ubyte.gz").read()
+
+        with pytest.raises(data.DataError, match="download into .* failed .*timed out.*; without internet"):
+            datasets.ensure_files(tmp_path, ["train-images-idx3-ubyte"], True, fetch)
+    assert socket.getdefaulttimeout() is None  # put back as it was
 
 
 def test_digits_split_is_fixed_and_disjoint():

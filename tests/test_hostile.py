@@ -1,6 +1,7 @@
 """Hostile input gets one clear line, a non-zero exit and loses nothing: NaN loss, full disk, bad
 checkpoints, missing or corrupt datasets, an unwritable data.root."""
 import errno
+import io
 import math
 import os
 import shutil
@@ -102,6 +103,35 @@ def test_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path, m
     monkeypatch.setattr(torch, "save", fail_halfway(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_atomic({"epoch": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path)["epoch"] == 1 and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+class FillsUp(io.RawIOBase):
+    """A file on a disk that fills up after `room` bytes, as the OS answers: errno ENOSPC."""
+
+    def __init__(self, file, room):
+        super().__init__()
+        self.file, self.room = file, room
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+
+def test_a_disk_that_fills_up_under_torchs_own_writer_is_called_full(tmp_path, monkeypatch):
+    # torch's zip writer, told ENOSPC by the file, raises a RuntimeError of its own ("unexpected pos ...") over it
+    path = tmp_path / "last.pt"
+    checkpoint.save_atomic({"epoch": 1}, path)
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda state, file: real_save(state, FillsUp(file, room=20_000)))
+    with pytest.raises(checkpoint.CheckpointError, match="disk full while writing .*; the previous checkpoint is intact"):
+        checkpoint.save_atomic({"epoch": 2, "weights": torch.zeros(100_000)}, path)
     monkeypatch.undo()
     assert torch.load(path)["epoch"] == 1 and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import data
 import train
-from trainer import build, checkpoint, config, summary
+from trainer import build, checkpoint, config, logs, summary
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -458,3 +458,41 @@ def test_eval_only_writes_nothing_but_train_log(tmp_path, reference):
     after = files()
     assert {path for path in before.keys() | after.keys() if before.get(path) != after.get(path)} == {Path("train.log")}
     assert not list(tmp_path.iterdir())
+
+
+def test_a_new_run_in_a_used_folder_first_sets_the_earlier_runs_results_aside(tmp_path, monkeypatch):
+    # a sweep run again into its hydra.sweep.dir, or a job rerun by hand, starts in a folder an earlier run filled
+    train.fit(config.load_config(["trainer.epochs=1"]), tmp_path)
+    earlier_files = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    assert {"summary.json", "last.pt", "best.pt", "train.log"} <= set(earlier_files)
+    interrupted_run(tmp_path, ["trainer.epochs=3"], at_epoch=1, monkeypatch=monkeypatch)
+    # the rerun stopped before its first epoch: the folder says so, and holds no figure of the earlier run
+    assert summary.job_error(tmp_path) == logs.NOT_STARTED and not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / checkpoint.LAST_NAME).exists()
+    assert "this folder held an earlier run: its results are now in" in (tmp_path / "train.log").read_text()
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1  # the rerun's own
+    (kept,) = (tmp_path / logs.EARLIER_RUNS).iterdir()
+    assert {path.name: path.read_bytes() for path in kept.iterdir()} == earlier_files  # all of it, unchanged
+    train.fit(config.load_config(["trainer.epochs=1"]), tmp_path)  # and again: the stopped rerun's failed.txt too
+    assert sorted(path.name for path in (tmp_path / logs.EARLIER_RUNS).iterdir())[0] == kept.name
+    assert len(list((tmp_path / logs.EARLIER_RUNS).iterdir())) == 2
+    assert not (tmp_path / summary.JOB_FAILURE_NAME).exists() and summary.read_run_summary(tmp_path)["epochs"] == 1
+
+
+def test_a_run_stopped_after_its_last_checkpoint_resumes_to_write_its_summary(tmp_path, monkeypatch):
+    # Ctrl-C (or a kill) after the last epoch's checkpoint, before the summary: the resume it prints finishes it
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(summary, "write_run_summary", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            train.fit(config.load_config(["trainer.epochs=2"]), tmp_path)
+    state = checkpoint.load(tmp_path)
+    assert state["epoch"] == 2 and not (tmp_path / summary.RUN_SUMMARY_NAME).exists()
+    assert resume_in_process(tmp_path, []) == state["history"][-1]["val/acc"]
+    written = summary.read_run_summary(tmp_path)
+    assert written["epochs"] == 2 and written["val/acc"] == state["history"][-1]["val/acc"]
+    assert "every epoch was done: writing the run's summary" in (tmp_path / "train.log").read_text()
+    with pytest.raises(checkpoint.CheckpointError, match="already finished all 2 epochs"):
+        resume_in_process(tmp_path, [])

@@ -1,6 +1,5 @@
 """trainer.summary: run summaries, and the sweep summary built from a sweep folder's jobs."""
 import csv
-import os
 import random
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import config, summary
+from trainer import config, summary, timing
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,8 +101,29 @@ def test_the_sweep_folder_gets_each_pairs_speedup_curve_for_tensorboard(tmp_path
     accumulator = EventAccumulator(str(run))
     accumulator.Reload()
     value, low, high = ([event.value for event in accumulator.Scalars(tag)] for tag in summary.SPEEDUP_TAGS)
-    assert [event.step for event in accumulator.Scalars("time/step_speedup")] == [1, 2, 3]
+    # the epochs the summary's ratio uses: not the first, which warmed the process up
+    assert [event.step for event in accumulator.Scalars("time/step_speedup")] == [2, 3]
     assert all(lo < v < hi for v, lo, hi in zip(value, low, high, strict=True)) and all(1.9 < v < 2.1 for v in value)
+
+
+def curve_epochs(run):
+    accumulator = EventAccumulator(str(run))
+    accumulator.Reload()
+    return [event.step for event in accumulator.Scalars("time/step_speedup")]
+
+
+def test_conv_pairs_get_curves_too_and_no_curve_shows_an_epoch_too_short_for_an_interval(tmp_path):
+    make_job(tmp_path, 0, ["conv=torch"], "custom", [epoch(0.9, 4.0, 10.0)] * 2, step_times_s=steps(0.02, 2, seed=6),
+             conv="torch")
+    make_job(tmp_path, 1, ["conv=custom"], "custom", [epoch(0.9, 2.0, 20.0)] * 2, step_times_s=steps(0.01, 2, seed=7),
+             conv="custom")
+    few = [[0.02] * 3, [0.02] * (timing.MIN_TIMED_STEPS - 1), [0.02] * timing.MIN_TIMED_STEPS]
+    make_job(tmp_path, 2, ["linear=torch", "seed=1"], "torch", [epoch(0.9, 0.1, 10.0)] * 3, step_times_s=few)
+    make_job(tmp_path, 3, ["linear=custom", "seed=1"], "custom", [epoch(0.9, 0.1, 10.0)] * 3, step_times_s=few)
+    summary.summarize_sweep(tmp_path)
+    assert sorted(run.name for run in (tmp_path / "speedup").iterdir()) == ["3_job", "conv_1_job"]
+    assert curve_epochs(tmp_path / "speedup" / "conv_1_job") == [2]
+    assert curve_epochs(tmp_path / "speedup" / "3_job") == [3]  # epoch 2's 19 steps give no interval
 
 
 def test_a_short_comparison_says_so_and_a_small_flop_share_says_what_it_measured(tmp_path):
@@ -177,14 +197,21 @@ def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     assert f"{tmp_path / 'no_such_sweep'} is not a folder; give a multirun folder" in capsys.readouterr().err
 
 
-def test_jobs_of_an_earlier_sweep_in_the_same_folder_are_left_out(tmp_path):
+def test_every_job_folder_counts_whenever_and_however_deep_it_ran(tmp_path):
     make_job(tmp_path, 0, ["optim.lr=0.1"], "custom", [epoch(0.5, 1.0, 20.0)])
     make_job(tmp_path, 1, ["optim.lr=0.2"], "custom", [epoch(0.6, 1.0, 20.0)])
-    old = tmp_path / "0_job" / ".hydra" / "hydra.yaml"
-    os.utime(old, ns=(old.stat().st_atime_ns, old.stat().st_mtime_ns - 10**9))  # a second before this sweep
-    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
-    os.utime(tmp_path / "multirun.yaml", ns=(0, old.stat().st_mtime_ns + 10**8))
-    assert [row["job"] for row in summary.job_rows(tmp_path)] == ["1_job"]
+    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")  # newer than the jobs: a sweep run again here, or cp -r
+    make_job(tmp_path / "custom", 2, ["optim.lr=0.3"], "custom", [epoch(0.7, 1.0, 20.0)])  # hydra.sweep.subdir nests
+    make_job(tmp_path, 3, ["optim.lr=0.4"], "custom", [epoch(0.8, 1.0, 20.0)])
+    OmegaConf.save(OmegaConf.create({"hydra": {"job": {"num": "???"}}}), tmp_path / "3_job" / ".hydra" / "hydra.yaml")
+    make_job(tmp_path, 4, ["optim.lr=0.5"], "custom", [epoch(0.9, 1.0, 20.0)])
+    (tmp_path / "4_job" / "summary.json").write_text('{"val/acc": 0.')  # cut short: a full disk, a copy stopped
+    rows = summary.job_rows(tmp_path)
+    # a job rerun by hand with hydra.run.dir has no job number: it comes last
+    assert [row["job"] for row in rows] == ["0_job", "1_job", "custom/2_job", "4_job", "3_job"]
+    assert rows[4]["val/acc"] == 0.8 and rows[2]["val/acc"] == 0.7
+    assert rows[3]["error"].startswith("summary.json cannot be read (") and rows[3]["error"].endswith("rerun the job")
+    assert "5 jobs, 1 failed" in summary.summarize_sweep(tmp_path)
 
 
 def test_summaries_written_before_step_times_were_recorded_still_summarise(tmp_path):

@@ -31,6 +31,16 @@ def test_too_little_timed_work_is_too_short_to_time():
     assert ratio.verdict == f"too short to time (0.049 s of timed steps per side, under {timing.MIN_TIMED_S:g} s)"
 
 
+def test_too_few_steps_give_no_interval_to_trust_and_say_so():
+    # one long step a side: a bootstrap of one value is a point, which had read "2.24x (2.24-2.24): custom is faster"
+    ratio = timing.speedup([5.4], [2.4])
+    assert ratio.verdict == f"too few steps to time (1 timed steps per side, under {timing.MIN_TIMED_STEPS})"
+    few = timing.MIN_TIMED_STEPS - 1
+    assert timing.speedup(steps(2.0, count=few), steps(1.0, count=400)).verdict.startswith(f"too few steps to time ({few}")
+    assert timing.speedup(steps(2.0, count=few + 1), steps(1.0, count=few + 1)).verdict == "custom is faster"
+    assert timing.mean_interval([5.44, 5.45], scale=1000) == "5.44e+03 (2 timed steps: too few for an interval)"
+
+
 def test_runs_one_after_the_other_count_only_beyond_their_noise():
     torch_steps, custom_steps = steps(0.011, seed=9, spread=0.05), steps(0.01, seed=10, spread=0.05)
     assert timing.speedup(torch_steps, custom_steps).verdict == "custom is faster"  # interleaved: 1.10x is real

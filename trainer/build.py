@@ -238,6 +238,6 @@ def build_training(cfg, dataset, device):
     torch.manual_seed(cfg.seed)
     train_loader, val_loader = make_loaders(cfg, dataset, device)
     model = make_model(cfg, dataset, device)
-    optimizer = instantiate(cfg.optim, params=model.parameters())
+    optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")  # betas as a list, not a ListConfig
     scheduler = instantiate(cfg.sched, optimizer=optimizer)
     return model, optimizer, scheduler, train_loader, val_loader

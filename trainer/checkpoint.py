@@ -55,7 +55,7 @@ def save_atomic(state, path):
         os.replace(temporary, path)
     except BaseException as error:  # also Ctrl-C: never leave a half-written file behind
         temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        if disk_full(error):
             then = f"resume with: {resume_command(path.parent)}" if path.exists() else "start the run again"
             kept = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written yet"
             raise CheckpointError(f"disk full while writing {path}; {kept}; free some space, then {then}") from error
@@ -65,6 +65,16 @@ def save_atomic(state, path):
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def disk_full(error):
+    """Whether `error`, or an error it was raised from or while handling, is a full disk (or quota): torch's
+    zip writer, told so by the file, raises a RuntimeError of its own ("unexpected pos ...") over it."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def training_state(epoch, global_step, model, optimizer, scheduler, scaler, loader_generator, config, **extra):

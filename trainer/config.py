@@ -76,6 +76,7 @@ def load_config(overrides=()):
         return compose("train", overrides=list(overrides))
 
 
+TARGET_GROUPS = ("optim", "sched")  # groups whose settings are their class's parameters, all of them settable
 SLURM_LAUNCHERS = ("slurm", "slurm_gpu", "submitit_slurm")  # conf/hydra/launcher/ and the plugin's own
 
 
@@ -106,8 +107,10 @@ def check_command_line(argv):
             # the submitit plugin would fail only once it submits, in a long traceback
             fail(f"hydra/launcher={override.value()} submits to a SLURM cluster, and sbatch is not on this "
                  "machine's PATH: run the sweep from a cluster's login node, or drop hydra/launcher to run it here")
-        if override.is_add() and not key.startswith("hydra") and key not in known_settings():
-            # +trainer.epoch=3 (Hydra's own advice for a misspelt key) adds a setting nothing reads
+        if (override.is_add() and not key.startswith("hydra") and key not in known_settings()
+                and key.split(".")[0] not in TARGET_GROUPS):
+            # +trainer.epoch=3 (Hydra's own advice for a misspelt key) adds a setting nothing reads; one of optim
+            # or sched goes to its class, which check_targets_take_their_settings holds to the class's parameters
             fail(unknown_key_message(f"Could not override '{key}'"))
     jobs = []
     for override in overrides:
@@ -126,6 +129,8 @@ def check_command_line(argv):
             fail(unknown_key_message(str(error)) or " ".join(str(error).split("\n")))
         except ConfigError as error:
             fail(str(error))
+    if flags and jobs:
+        check_search_direction(next(itertools.product(*jobs)))
     for override in overrides:  # the run or sweep folder, given as a path: Hydra's failure to make it is a traceback
         key, value = override.get_key_element(), override.value()
         if key in ("hydra.run.dir", "hydra.sweep.dir") and isinstance(value, str) and "${" not in value:
@@ -133,6 +138,21 @@ def check_command_line(argv):
                 Path(value).expanduser().mkdir(parents=True, exist_ok=True)
             except OSError as error:
                 fail(f"{key}={value} cannot be made ({error.strerror}); give a folder that can be written")
+
+
+def check_search_direction(job_overrides):
+    """A search (hydra/sweeper=optuna) must go the way its trainer.objective improves: the sweeper takes either
+    direction without a word, and one going the wrong way reports the worst trial as the best."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(job_overrides), return_hydra_config=True)
+    direction = OmegaConf.select(cfg, "hydra.sweeper.direction")
+    objective = cfg.trainer.objective
+    if not isinstance(direction, str) or objective not in summary.OBJECTIVES:  # no search, or several objectives
+        return
+    wanted = summary.OBJECTIVES[objective]
+    if direction.lower() != wanted:
+        fail(f"hydra.sweeper.direction={direction} would search for the worst trainer.objective={objective}, "
+             f"which improves as it {'falls' if wanted == 'minimize' else 'rises'}; add hydra.sweeper.direction={wanted}")
 
 
 def natural_order(names):
@@ -260,6 +280,10 @@ OPTION_RULES = {
     "optim.weight_decay": Rule(lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
     "optim.momentum": FRACTION,
     "optim.nesterov": BOOL,
+    "optim.betas": Rule(lambda v: isinstance(v, ListConfig) and len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v),
+                        "[beta1, beta2], each a number in [0, 1)"),
+    "optim.eps": Rule(lambda v: is_number(v) and 0 < v < math.inf, "a positive number"),
+    "optim.amsgrad": BOOL,
     "optim.fused": Rule(lambda v: v is None or isinstance(v, bool), "true, false or null"),
     "sched.eta_min": Rule(lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
     "sched.T_max": POSITIVE_INT,

@@ -2,6 +2,7 @@
 dashboard), and train.log (the console's lines with timestamps, plus tracebacks and lines for the file alone)."""
 import logging
 import sys
+import time
 from contextlib import contextmanager
 
 import torch
@@ -16,6 +17,29 @@ log = logging.getLogger("train")
 file_log = logging.getLogger("train.file")  # train.log only, not the terminal
 file_log.propagate = False
 NOT_STARTED = "stopped (Ctrl-C) before the first epoch ended: nothing was trained"
+EARLIER_RUNS = "earlier"  # where a new run in a used folder puts the earlier run's results
+
+
+def set_aside_earlier_run(run_dir):
+    """A new run in a folder that holds an earlier run's results (a sweep run again into its hydra.sweep.dir,
+    a job rerun by hand) moves them into earlier/<their time>/ first: kept, and never read as the new run's
+    (its summary.json would make a rerun stopped early count as finished, with the earlier figures; its
+    events would put each epoch twice on the curves). Returns that folder, or None."""
+    names = (summary.RUN_SUMMARY_NAME, summary.JOB_FAILURE_NAME, checkpoint.LAST_NAME, checkpoint.BEST_NAME,
+             "train.log")
+    results = [run_dir / name for name in names if (run_dir / name).is_file()]
+    results += sorted(run_dir.glob("events.out.tfevents.*"))
+    if not results:
+        return None
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(max(path.stat().st_mtime for path in results)))
+    destination, copy = run_dir / EARLIER_RUNS / stamp, 1
+    while destination.exists():
+        copy += 1
+        destination = run_dir / EARLIER_RUNS / f"{stamp}_{copy}"
+    destination.mkdir(parents=True)
+    for path in results:
+        path.rename(destination / path.name)
+    return destination
 
 
 def class_name(node):

@@ -38,11 +38,13 @@ SPEEDUP_RUNS = "speedup"  # the sweep folder's TensorBoard runs of custom's spee
 SPEEDUP_TAGS = ("time/step_speedup", "time/step_speedup_low", "time/step_speedup_high")  # value, 95% interval
 # Below this share of the FLOPs in the linear layers, a custom/torch ratio mostly times the rest of the network.
 KERNEL_COMPARISON_MIN_SHARE = 0.5
-# summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises)
-OBJECTIVES = (
-    "val/acc", "val/acc_best", "val/loss", "train/acc", "train/loss", "time/epoch_s_mean", "time/epoch_s_min",
-    "time/train_samples_per_s_mean",
-)
+# summary.json keys a run can report as its result (trainer.objective: what hydra/sweeper=optuna optimises),
+# each with the direction in which it improves
+OBJECTIVES = {
+    "val/acc": "maximize", "val/acc_best": "maximize", "val/loss": "minimize", "train/acc": "maximize",
+    "train/loss": "minimize", "time/epoch_s_mean": "minimize", "time/epoch_s_min": "minimize",
+    "time/train_samples_per_s_mean": "maximize",
+}
 # (column, key in summary.json or job row, format for summary.md)
 JOB_COLUMNS = (
     ("job", "job", "{}"),
@@ -105,6 +107,16 @@ def read_run_summary(run_dir):
     return json.loads((Path(run_dir) / RUN_SUMMARY_NAME).read_text())
 
 
+def job_results(job_dir):
+    """A job's summary.json, or {"error": why it has none} (its failed.txt, killed, or unreadable)."""
+    if not (job_dir / RUN_SUMMARY_NAME).is_file():
+        return {"error": job_error(job_dir)}
+    try:
+        return read_run_summary(job_dir)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return {"error": f"{RUN_SUMMARY_NAME} cannot be read ({error}); rerun the job"}
+
+
 def write_job_failure(job_dir, message):
     """failed.txt in a sweep job's folder: why the job failed, for the sweep summary."""
     write_text_atomic(Path(job_dir) / JOB_FAILURE_NAME, message + "\n")
@@ -117,28 +129,33 @@ def job_error(job_dir):
 
 
 def job_rows(sweep_dir):
-    """One dict per job folder under `sweep_dir`, in job order: its summary.json, or "error" if it has none.
+    """One dict per job folder under `sweep_dir` (any folder with a .hydra/ below it), in job order: its
+    summary.json, or "error" if it has none.
 
-    Only the latest sweep's jobs: Hydra rewrites multirun.yaml when a sweep starts, so job folders older
-    than it were left by an earlier sweep run into the same folder (hydra.sweep.dir given twice).
+    Every job folder there counts, whenever it ran: a job rerun by hand, a sweep run again into the same
+    folder, a copy. A rerun in a job's own folder set its earlier results aside (logs.set_aside_earlier_run),
+    so a job is never reported with another run's figures.
     """
+    sweep_dir = Path(sweep_dir)
     rows = []
-    started = Path(sweep_dir, "multirun.yaml")
-    started_ns = started.stat().st_mtime_ns if started.is_file() else 0
-    for hydra_dir in Path(sweep_dir).glob("*/.hydra"):
+    for hydra_dir in job_hydra_dirs(sweep_dir):
         job_dir = hydra_dir.parent
-        if (hydra_dir / "hydra.yaml").stat().st_mtime_ns < started_ns:
-            continue
         overrides = OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml"))
         config = OmegaConf.load(hydra_dir / "config.yaml")
-        num = OmegaConf.load(hydra_dir / "hydra.yaml").hydra.job.num
-        finished = (job_dir / RUN_SUMMARY_NAME).is_file()
+        num = OmegaConf.select(OmegaConf.load(hydra_dir / "hydra.yaml"), "hydra.job.num", default=None)
         rows.append({
-            "num": num, "job": job_dir.name, "overrides": " ".join(overrides), "override_list": overrides,
-            "linear": config.linear.name, "conv": config.get("conv", {}).get("name", "torch"),
-            **(read_run_summary(job_dir) if finished else {"error": job_error(job_dir)}),
+            "num": num if isinstance(num, int) else None,  # a single run (hydra.run.dir) has none
+            "job": job_dir.relative_to(sweep_dir).as_posix(), "overrides": " ".join(overrides),
+            "override_list": overrides, "linear": config.linear.name,
+            "conv": config.get("conv", {}).get("name", "torch"), **job_results(job_dir),
         })
-    return sorted(rows, key=lambda row: row["num"])
+    return sorted(rows, key=lambda row: (row["num"] is None, row["num"] or 0, row["job"]))
+
+
+def job_hydra_dirs(sweep_dir):
+    """The .hydra/ folders of the jobs below `sweep_dir`, at any depth (hydra.sweep.subdir may nest them)."""
+    return sorted(path for path in Path(sweep_dir).glob("**/.hydra")
+                  if path.parent != Path(sweep_dir) and (path / "overrides.yaml").is_file())
 
 
 def override_key(override):
@@ -297,29 +314,41 @@ def summarize_sweep(sweep_dir, rows=None):
     markdown = to_markdown(sweep_dir, rows, pairs, conv_pairs)
     write_text_atomic(Path(sweep_dir) / CSV_NAME, to_csv(rows, {"linear": pairs, "conv": conv_pairs}))
     write_text_atomic(Path(sweep_dir) / MARKDOWN_NAME, markdown)
-    write_speedup_curves(sweep_dir, pairs)
+    write_speedup_curves(sweep_dir, pairs, conv_pairs)
     return markdown
 
 
-def write_speedup_curves(sweep_dir, pairs):
+def write_speedup_curves(sweep_dir, pairs, conv_pairs=()):
     """For TensorBoard: each pair's speedup of custom over torch, epoch by epoch with its 95% interval, as a
-    run of its own, speedup/<custom job> in the sweep folder (rewritten whole each time)."""
+    run of its own in the sweep folder (rewritten whole each time): speedup/<custom job> for a linear pair,
+    speedup/conv_<custom job> for a conv pair. Only the epochs the summary's ratio uses: none that warmed a
+    process up, none with too few steps for an interval (timing.MIN_TIMED_STEPS)."""
     folder = Path(sweep_dir) / SPEEDUP_RUNS
     shutil.rmtree(folder, ignore_errors=True)
-    for torch_row, custom_row in pairs:
-        if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
-            continue
-        with SummaryWriter(folder / custom_row["job"]) as writer:
-            # the last epochs of both, numbered as the runs number them (a run resumed from a checkpoint
-            # written before step times were recorded has step times for its later epochs only)
-            count = min(len(torch_row[STEP_TIMES_KEY]), len(custom_row[STEP_TIMES_KEY]))
-            epochs = zip(torch_row[STEP_TIMES_KEY][-count:], custom_row[STEP_TIMES_KEY][-count:])
-            for epoch, (torch_steps, custom_steps) in enumerate(epochs, custom_row["epochs"] - count + 1):
-                ratio = timing.speedup(torch_steps, custom_steps, sequential=True)
-                if ratio is None:
-                    continue
-                for tag, value in zip(SPEEDUP_TAGS, (ratio.value, ratio.low, ratio.high)):
-                    writer.add_scalar(tag, value, epoch)
+    for prefix, group_pairs in (("", pairs), ("conv_", conv_pairs)):
+        for torch_row, custom_row in group_pairs:
+            if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
+                continue
+            with SummaryWriter(folder / f"{prefix}{custom_row['job']}") as writer:
+                for epoch, ratio in epoch_speedups(torch_row, custom_row):
+                    for tag, value in zip(SPEEDUP_TAGS, (ratio.value, ratio.low, ratio.high)):
+                        writer.add_scalar(tag, value, epoch)
+
+
+def epoch_speedups(torch_row, custom_row):
+    """(epoch, timing.Speedup) for each epoch both jobs timed, numbered as the runs number them (a run resumed
+    from a checkpoint written before step times were recorded has step times for its later epochs only)."""
+    count = min(len(torch_row[STEP_TIMES_KEY]), len(custom_row[STEP_TIMES_KEY]))
+    first_epoch = custom_row["epochs"] - count + 1
+    warm_ups = {first_epoch + index - len(row[STEP_TIMES_KEY]) + count
+                for row in (torch_row, custom_row) for index in row.get(WARMUP_EPOCHS_KEY, [0])}
+    if set(range(first_epoch, first_epoch + count)) <= warm_ups:  # as timing.timed_steps: then all of them
+        warm_ups = set()
+    epochs = zip(torch_row[STEP_TIMES_KEY][-count:], custom_row[STEP_TIMES_KEY][-count:])
+    for epoch, (torch_steps, custom_steps) in enumerate(epochs, first_epoch):
+        ratio = timing.speedup(torch_steps, custom_steps, sequential=True)
+        if epoch not in warm_ups and ratio is not None and ratio.steps >= timing.MIN_TIMED_STEPS:
+            yield epoch, ratio
 
 
 def main(argv=None):
@@ -329,7 +358,7 @@ def main(argv=None):
     sweep_dir = parser.parse_args(argv).sweep_dir
     if not sweep_dir.is_dir():
         parser.error(f"{sweep_dir} is not a folder; give a multirun folder, e.g. outputs/multirun/<date>/<time>")
-    if not any(sweep_dir.glob("*/.hydra")):
+    if not job_hydra_dirs(sweep_dir):
         parser.error(f"{sweep_dir} holds no job folders (<n>_<name>/.hydra/); give a multirun folder")
     print(summarize_sweep(sweep_dir))
 

@@ -28,6 +28,10 @@ CONFIDENCE = 0.95
 BOOTSTRAP_SAMPLES = 2000
 BOOTSTRAP_CHUNK = 200
 MIN_TIMED_S = 1.0  # less timed work per side: "too short to time"
+# Fewer steps per side: "too few steps to time". The bootstrap resamples n steps in blocks of about n^(1/3):
+# from 2 steps it can draw only 3 different means, so its "interval" is a point or two (one timed step a side
+# read "2.24x, 95% interval 2.24-2.24"); from 20, 18 blocks of 3 give millions of different resamples.
+MIN_TIMED_STEPS = 20
 SEQUENTIAL_NOISE = 1.25  # identical runs one after the other read up to this far apart (either way)
 
 
@@ -93,6 +97,8 @@ def mean_interval(steps, scale=1.0, seed=0):
     """'1.02 (95% interval 0.99-1.05)': the mean of `steps` times `scale`, with its bootstrap interval."""
     if not steps:
         return "-"
+    if len(steps) < MIN_TIMED_STEPS:
+        return f"{np.mean(steps) * scale:.3g} ({len(steps)} timed steps: too few for an interval)"
     low, high = percentiles(bootstrap_means(steps, np.random.default_rng(seed)) * scale)
     return f"{np.mean(steps) * scale:.3g} (95% interval {low:.3g}-{high:.3g})"
 
@@ -106,10 +112,13 @@ class Speedup:
     low: float
     high: float
     timed_s: float  # the lesser of the two sides' timed work
+    steps: int  # the lesser of the two sides' number of timed steps
     sequential: bool = False  # the sides ran one after the other, not interleaved
 
     @property
     def verdict(self):
+        if self.steps < MIN_TIMED_STEPS:
+            return f"too few steps to time ({self.steps} timed steps per side, under {MIN_TIMED_STEPS})"
         if self.timed_s < MIN_TIMED_S:
             return f"too short to time ({self.timed_s:.2g} s of timed steps per side, under {MIN_TIMED_S:g} s)"
         if self.low <= 1 <= self.high:
@@ -135,4 +144,5 @@ def speedup(torch_steps, custom_steps, sequential=False, seed=0):
     rng = np.random.default_rng(seed)
     low, high = percentiles(bootstrap_means(torch_steps, rng) / bootstrap_means(custom_steps, rng))
     value = float(np.mean(torch_steps) / np.mean(custom_steps))
-    return Speedup(value, low, high, min(sum(torch_steps), sum(custom_steps)), sequential)
+    return Speedup(value, low, high, min(sum(torch_steps), sum(custom_steps)), min(len(torch_steps), len(custom_steps)),
+                   sequential)
