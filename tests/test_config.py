@@ -196,6 +196,10 @@ def test_cuda_device_is_rejected_without_a_gpu():
                                                              "the worst trainer.objective=val/loss",
                                                              "add hydra.sweeper.direction=minimize"]),
     (["-m", "search=mlp_lr", "hydra.sweeper.direction=minimize"], ["add hydra.sweeper.direction=maximize"]),
+    (["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=0", "linear=torch,custom"],
+     ["hydra.launcher.n_jobs=0 is invalid: it must be a nonzero integer"]),
+    (["-m", "search=mlp_lr", "hydra.sweeper.n_trials=0"], ["hydra.sweeper.n_trials=0 is invalid"]),
+    (["-m", "trainer.resume=outputs/runs/x", "linear=torch,custom"], ["trainer.resume continues one run", "drop -m"]),
     (["hydra.run.dir=/proc/no_run_here"], ["hydra.run.dir=/proc/no_run_here cannot be made (No such file"]),
     (["-m", "hydra.sweep.dir=/proc/no_sweep_here", "linear=torch,custom"], ["hydra.sweep.dir=/proc/no_sweep_here "
                                                                             "cannot be made"]),

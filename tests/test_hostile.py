@@ -273,3 +273,10 @@ def test_a_truncated_checkpoints_traceback_is_in_the_runs_train_log(tmp_path, go
     result = train_command([f"trainer.resume={run_dir}"], tmp_path)
     assert_one_line_error(result, f"{run_dir / 'last.pt'} is truncated or corrupt")
     assert "Traceback" in (run_dir / "train.log").read_text()
+
+
+def test_a_folder_with_no_checkpoint_says_so_and_what_to_do(tmp_path):
+    (tmp_path / "last.pt.tmp").write_bytes(b"cut short by a kill during the first save")
+    with pytest.raises(checkpoint.CheckpointError, match=r"^no last.pt in .*: the run ended before its first "
+                                                         r"checkpoint was written; start the run again$"):
+        checkpoint.find(tmp_path)

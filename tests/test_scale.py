@@ -187,6 +187,19 @@ def test_optuna_records_a_failed_trial_as_failed_and_searches_on(tmp_path):
     assert best.best_value == pytest.approx(max(float(row["val_acc"]) for row in rows if not row["error"]))
 
 
+def test_an_optuna_search_whose_every_trial_failed_ends_with_its_summary_in_one_line(tmp_path):
+    # the plugin's own sweeper stopped at Optuna's "No trials are completed yet", in a traceback and with no summary
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "search=mlp_lr", "hydra.sweeper.n_trials=2",
+         "trainer.epochs=1", "data=mnist", f"data.root={tmp_path / 'no_data'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    assert "2 jobs, 2 failed" in (sweep_dir / "summary.md").read_text()
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 2 job(s) failed: ")
+
+
 @pytest.fixture(scope="module")
 def plain_val_acc(tmp_path_factory):
     return train.fit(config.load_config(["model=mlp", "linear=custom", "trainer.epochs=1"]), tmp_path_factory.mktemp("plain"))

@@ -195,6 +195,11 @@ def test_command_line_rewrites_a_sweeps_summary(tmp_path, capsys):
     with pytest.raises(SystemExit):
         summary.main([str(tmp_path / "no_such_sweep")])
     assert f"{tmp_path / 'no_such_sweep'} is not a folder; give a multirun folder" in capsys.readouterr().err
+    make_job(tmp_path, 2, ["linear=custom", "optim.lr=9"], "custom", [], finished=False, error="loss became nan")
+    with pytest.raises(SystemExit) as ended:  # as a sweep that ends with a failed job: exit code 1, one line
+        summary.main([str(tmp_path)])
+    assert ended.value.code == 1
+    assert capsys.readouterr().err.strip() == f"error: 1 job(s) failed: 2_job (their errors are in {tmp_path / 'summary.md'})"
 
 
 def test_every_job_folder_counts_whenever_and_however_deep_it_ran(tmp_path):
@@ -212,6 +217,31 @@ def test_every_job_folder_counts_whenever_and_however_deep_it_ran(tmp_path):
     assert rows[4]["val/acc"] == 0.8 and rows[2]["val/acc"] == 0.7
     assert rows[3]["error"].startswith("summary.json cannot be read (") and rows[3]["error"].endswith("rerun the job")
     assert "5 jobs, 1 failed" in summary.summarize_sweep(tmp_path)
+
+
+def test_jobs_a_killed_sweep_never_started_are_listed_as_such(tmp_path):
+    # -m linear=torch,custom seed=0,1, killed during its second job: two jobs have no folder at all
+    OmegaConf.save(OmegaConf.create({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": None},
+        "overrides": {"task": ["linear=torch,custom", "seed=0,1"]}}}), tmp_path / "multirun.yaml")
+    make_job(tmp_path, 0, ["linear=torch", "seed=0"], "torch", [epoch(0.90, 2.0, 10.0)])
+    make_job(tmp_path, 1, ["linear=torch", "seed=1"], "torch", [], finished=False)
+    rows = summary.job_rows(tmp_path)
+    assert [(row["job"], row["overrides"]) for row in rows] == [
+        ("0_job", "linear=torch seed=0"), ("1_job", "linear=torch seed=1"),
+        ("-", "linear=custom seed=0"), ("-", "linear=custom seed=1")]
+    assert rows[2]["error"] == rows[3]["error"] == summary.NOT_STARTED
+    assert "4 jobs, 3 failed" in summary.summarize_sweep(tmp_path)
+
+
+def test_a_repeated_job_is_named_as_not_compared(tmp_path):
+    # -m linear=torch,custom,custom: the pair takes the first custom job; the summary says so of the second
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.90, 2.0, 10.0)], step_times_s=steps(0.02, seed=0))
+    for num in (1, 2):
+        make_job(tmp_path, num, ["linear=custom"], "custom", [epoch(0.92, 1.0, 20.0)], step_times_s=steps(0.01, seed=num))
+    markdown = summary.summarize_sweep(tmp_path)
+    assert markdown.count("custom is faster") == 1
+    assert "Jobs with the same settings as an earlier job are not compared (each pair takes the first): 2_job (as 1_job)." in markdown
 
 
 def test_summaries_written_before_step_times_were_recorded_still_summarise(tmp_path):

@@ -180,7 +180,8 @@ def find(path):
     if path.is_dir():
         path = path / LAST_NAME
         if not path.is_file():
-            raise CheckpointError(f"no {LAST_NAME} in {path.parent}: the run ended before its first epoch did")
+            raise CheckpointError(f"no {LAST_NAME} in {path.parent}: the run ended before its first checkpoint was "
+                                  "written; start the run again")
     elif not path.is_file():
         raise CheckpointError(f"trainer.resume={path}: no such file or folder; give a run folder or a .pt file")
     return path.resolve()

@@ -112,6 +112,8 @@ def check_command_line(argv):
             # +trainer.epoch=3 (Hydra's own advice for a misspelt key) adds a setting nothing reads; one of optim
             # or sched goes to its class, which check_targets_take_their_settings holds to the class's parameters
             fail(unknown_key_message(f"Could not override '{key}'"))
+        if key in LAUNCH_RULES and not override.is_sweep_override() and not LAUNCH_RULES[key].test(override.value()):
+            fail(f"{key}={override.value()} is invalid: it must be {LAUNCH_RULES[key].expected}")
     jobs = []
     for override in overrides:
         if override.is_choice_sweep():
@@ -296,6 +298,13 @@ OPTION_RULES = {
     "linear.fuse_relu": BOOL,
 }
 
+# The launchers' and the sweeper's counts, which their plugins take unchecked and fail on in a long traceback.
+LAUNCH_RULES = {
+    "hydra.launcher.n_jobs": Rule(lambda v: is_int(v) and v != 0, "a nonzero integer (-1: as many jobs as cores)"),
+    "hydra.sweeper.n_trials": Rule(lambda v: is_int(v) and v > 0, "a positive integer"),
+    "hydra.sweeper.n_jobs": Rule(lambda v: is_int(v) and v > 0, "a positive integer"),
+}
+
 
 def validate(cfg):
     """Raise ConfigError naming the first bad setting, before any work is done."""
@@ -355,6 +364,8 @@ def resume_arguments(argv):
     for argument in argv:
         key, _, value = argument.partition("=")
         if key.lstrip("+") == "trainer.resume" and value not in ("", "null"):
+            if {"-m", "--multirun"} & set(argv):
+                fail("trainer.resume continues one run in its own folder, which a sweep's jobs would share; drop -m")
             path = Path(value.strip("'\"")).expanduser().absolute()
             if not path.exists():
                 fail(f"trainer.resume={value}: no such file or folder; give a run folder or a .pt file", 1)

@@ -22,6 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
@@ -149,7 +151,29 @@ def job_rows(sweep_dir):
             "override_list": overrides, "linear": config.linear.name,
             "conv": config.get("conv", {}).get("name", "torch"), **job_results(job_dir),
         })
-    return sorted(rows, key=lambda row: (row["num"] is None, row["num"] or 0, row["job"]))
+    rows = sorted(rows, key=lambda row: (row["num"] is None, row["num"] or 0, row["job"]))
+    return rows + jobs_not_started(sweep_dir, rows)
+
+
+NOT_STARTED = "did not start (the sweep stopped before it, or has not reached it yet)"
+
+
+def jobs_not_started(sweep_dir, rows):
+    """A row for each job the latest sweep asked for (multirun.yaml: its overrides, through Hydra's own basic
+    sweeper) that has no folder: a sweep killed early, still running, or stopped by a failed launch. Other
+    sweepers (Optuna) choose their jobs as they go: none are listed."""
+    try:
+        config = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
+        if not str(OmegaConf.select(config, "hydra.sweeper._target_", default="")).endswith("BasicSweeper"):
+            return []
+        params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
+        arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
+    except Exception:  # no multirun.yaml, or one this cannot expand (a glob sweep): nothing to compare with
+        return []
+    present = {tuple(sorted(row["override_list"])) for row in rows}
+    return [{"num": None, "job": "-", "overrides": " ".join(job), "override_list": job, "linear": "-", "conv": "-",
+             "error": NOT_STARTED} for job in jobs if tuple(sorted(job)) not in present]
 
 
 def job_hydra_dirs(sweep_dir):
@@ -172,6 +196,19 @@ def choice_pairs(rows, group="linear"):
         rest = tuple(sorted(o for o in row["override_list"] if override_key(o) != group))
         groups.setdefault(rest, {}).setdefault(row[group], row)
     return [(group["torch"], group["custom"]) for group in groups.values() if {"torch", "custom"} <= set(group)]
+
+
+def repeated_jobs(rows):
+    """(row, first row) for every finished job whose overrides are those of an earlier finished job
+    (-m linear=torch,custom,custom): choice_pairs compares the first only."""
+    first_with = {}
+    repeats = []
+    for row in rows:
+        if "error" not in row:
+            first = first_with.setdefault(tuple(sorted(row["override_list"])), row)
+            if first is not row:
+                repeats.append((row, first))
+    return repeats
 
 
 def speedup(torch_row, custom_row):
@@ -290,6 +327,10 @@ def to_markdown(sweep_dir, rows, pairs, conv_pairs=()):
                  "where there are more; trainer/timing.py). It covers the noise within the two jobs, not a "
                  "disturbance that lasts a whole job: they ran one after the other or beside other jobs. For a "
                  "fair measurement interleave the two linears' epochs in one process (`python -m bench.train`).\n")
+    repeats = repeated_jobs(rows)
+    if repeats and (pairs or conv_pairs):
+        text += ("\nJobs with the same settings as an earlier job are not compared (each pair takes the first): "
+                 + ", ".join(f"{row['job']} (as {first['job']})" for row, first in repeats) + ".\n")
     if conv_pairs:
         comparisons = markdown_table(
             ["overrides besides conv", "speedup custom/torch", "95% interval", "verdict", "convolutions do",
@@ -360,7 +401,18 @@ def main(argv=None):
         parser.error(f"{sweep_dir} is not a folder; give a multirun folder, e.g. outputs/multirun/<date>/<time>")
     if not job_hydra_dirs(sweep_dir):
         parser.error(f"{sweep_dir} holds no job folders (<n>_<name>/.hydra/); give a multirun folder")
-    print(summarize_sweep(sweep_dir))
+    end_sweep(sweep_dir)
+
+
+def end_sweep(sweep_dir):
+    """Summarize `sweep_dir`, print the summary, and exit with 1 after one error line if a job failed."""
+    rows = job_rows(sweep_dir)
+    print(summarize_sweep(sweep_dir, rows), flush=True)
+    failed = [row["job"] for row in rows if "error" in row]
+    if failed:
+        print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
+              f"{Path(sweep_dir) / MARKDOWN_NAME})", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 class SweepSummary(Callback):
@@ -368,15 +420,8 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config, **kwargs):
         sweep_dir = Path(config.hydra.sweep.dir)
-        if not sweep_dir.is_dir():
-            return
-        rows = job_rows(sweep_dir)
-        print(summarize_sweep(sweep_dir, rows), flush=True)
-        failed = [row["job"] for row in rows if "error" in row]
-        if failed:
-            print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
-                  f"{sweep_dir / MARKDOWN_NAME})", file=sys.stderr, flush=True)
-            sys.exit(1)
+        if sweep_dir.is_dir():
+            end_sweep(sweep_dir)
 
 
 if __name__ == "__main__":
