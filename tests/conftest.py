@@ -87,3 +87,23 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func.overloadpacket))
         return func(*args, **(kwargs or {}))
+
+
+class FunctionCalls(torch.overrides.TorchFunctionMode):
+    """Records every function a torch function mode sees inside the block (`with FunctionCalls() as log:`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.functions = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.functions.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def vmap_needs_batching_rules():
+    # Without this, vmap runs an op with no batching rule once per sample, silently.
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    yield
+    torch._C._functorch._set_vmap_fallback_enabled(True)

@@ -9,7 +9,8 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import ext
-from conftest import OpLog, assert_within_rounding, num_threads
+from conftest import FunctionCalls, OpLog, assert_within_rounding, num_threads
+from test_op import TRANSFORMS
 
 
 def with_grads(x, w, b):
@@ -518,16 +519,6 @@ def test_torch_fx_records_one_call_per_layer():
     torch.testing.assert_close(traced(input), model(input))
 
 
-class FunctionCalls(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.functions = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.functions.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def test_torch_function_modes_see_ext_conv2d():
     input, weight = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
     with FunctionCalls() as log:
@@ -577,35 +568,10 @@ def test_scripted_conv2d_function_matches_f_conv2d():
         scripted(x, w, None, groups=3)
 
 
-def conv_forward_ad_tangent(fn, x, w, b):
-    with torch.autograd.forward_ad.dual_level():
-        dual = [torch.autograd.forward_ad.make_dual(t, torch.ones_like(t)) for t in (x, w, b)]
-        return torch.autograd.forward_ad.unpack_dual(fn(*dual)).tangent
-
-
-CONV_TRANSFORMS = {  # fn(input, weight, bias) -> what the transform computes through fn
-    "grad": lambda fn, x, w, b: torch.func.grad(lambda x, w, b: fn(x, w, b).square().sum(), argnums=(0, 1, 2))(x, w, b),
-    "vmap over inputs": lambda fn, x, w, b: torch.func.vmap(lambda x: fn(x, w, b))(torch.stack([x, 2 * x, -x])),
-    "vmap over weights": lambda fn, x, w, b: torch.func.vmap(lambda w, b: fn(x, w, b))(torch.stack([w, -w]),
-                                                                                        torch.stack([b, 3 * b])),
-    "per-sample grads": lambda fn, x, w, b: torch.func.vmap(
-        torch.func.grad(lambda w, b, image: fn(image, w, b).square().sum(), argnums=(0, 1)),
-        in_dims=(None, None, 0))(w, b, x),
-    "jacrev": lambda fn, x, w, b: torch.func.jacrev(fn, argnums=(0, 1, 2))(x, w, b),
-    "jacfwd": lambda fn, x, w, b: torch.func.jacfwd(fn, argnums=(0, 1, 2))(x, w, b),
-    "hessian": lambda fn, x, w, b: torch.func.hessian(lambda w: fn(x, w, b).square().sum())(w),
-    "forward-mode AD": conv_forward_ad_tangent,
-}
+# test_op's transforms of fn(input, weight, bias), each on a batch of images (per sample: one unbatched image)
+CONV_TRANSFORMS = [name for name in TRANSFORMS if name != "grad of a 3-D input"]
 CONV_TRANSFORM_ARGUMENTS = [dict(), dict(stride=2, padding=1), dict(padding=(2, 0), dilation=(1, 2)),
                             dict(padding="same")]
-
-
-@pytest.fixture
-def vmap_needs_batching_rules():
-    # Without this, vmap runs an op with no batching rule once per sample, silently.
-    torch._C._functorch._set_vmap_fallback_enabled(False)
-    yield
-    torch._C._functorch._set_vmap_fallback_enabled(True)
 
 
 @pytest.mark.parametrize("arguments", CONV_TRANSFORM_ARGUMENTS, ids=str)
@@ -623,9 +589,9 @@ def test_torch_func_transforms_match_f_conv2d(transform, arguments, vmap_needs_b
         return F.conv2d(x, w, b, **arguments)
 
     with OpLog() as log:
-        result = CONV_TRANSFORMS[transform](ours, x, w, b)
+        result = TRANSFORMS[transform](ours, x, w, b)
     assert "aten.convolution" not in log.ops and "ext.linear" in log.ops
-    torch.testing.assert_close(result, CONV_TRANSFORMS[transform](reference, x, w, b), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(result, TRANSFORMS[transform](reference, x, w, b), rtol=1e-10, atol=1e-10)
 
 
 def test_under_a_transform_the_output_keeps_f_conv2ds_layout():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
-from conftest import OpLog
+from conftest import FunctionCalls, OpLog
 
 import ext
 
@@ -305,16 +305,6 @@ def test_torch_fx_records_one_call_per_layer():
     assert targets == [ext.linear_relu, ext.linear]
     input = torch.randn(2, 7, 6)  # leading dimensions are resolved when the graph runs
     torch.testing.assert_close(traced(input), model(input))
-
-
-class FunctionCalls(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.functions = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.functions.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_torch_function_modes_see_ext_linear():

@@ -410,14 +410,6 @@ TRANSFORMS = {  # fn(input, weight, bias) -> what the transform computes through
 }
 
 
-@pytest.fixture
-def vmap_needs_batching_rules():
-    # Without this, vmap runs an op with no batching rule once per sample, silently.
-    torch._C._functorch._set_vmap_fallback_enabled(False)
-    yield
-    torch._C._functorch._set_vmap_fallback_enabled(True)
-
-
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
                          ids=["linear", "linear_relu"])
