@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
-from ext.ops import _transforms_active, check_same_device, linear
+from ext.ops import _transforms_active, autocast_enabled, check_same_device, linear
 
 _CONV2D = torch.ops.ext.conv2d.default
 
@@ -146,7 +146,7 @@ def _is_pointwise_channels_last(input, weight, bias, stride, padding):
 
 def _kernel_dtype(input):
     """A dtype the kernels take (checks.h: 16-bit on CUDA only), or one autocast will cast to one."""
-    return (input.dtype in (torch.float32, torch.float64) or torch.is_autocast_enabled(input.device.type)
+    return (input.dtype in (torch.float32, torch.float64) or autocast_enabled(input.device.type)
             or (input.is_cuda and input.dtype in (torch.float16, torch.bfloat16)))
 
 
@@ -165,8 +165,6 @@ def _patches_conv2d(input, weight, bias, stride, padding, dilation):
     serve: ext.linear, which can (to any order), on the input's patches (im2col, F.unfold). The same sums
     in another order; the patches take C·R·S values a pixel, a price paid only while a transform is active."""
     _check_arguments(input, weight, bias, stride, padding, dilation)
-    if input.shape[0] == 0:
-        return _CONV2D(input, weight, bias, stride, padding, dilation)
     top, bottom, left, right = padding
     padded = F.pad(input, (left, right, top, bottom))
     height = _output_size(input.shape[2], weight.shape[2], stride[0], top + bottom, dilation[0])
@@ -192,6 +190,8 @@ def _scripted_pair(value: int | tuple[int, int] | list[int]) -> list[int]:
     if isinstance(value, int):
         return [value, value]
     if isinstance(value, list):
+        if len(value) not in (1, 2):
+            raise ValueError("ext.conv2d: stride, padding and dilation must be ints or pairs of ints")
         return value if len(value) == 2 else [value[0], value[0]]
     return [value[0], value[1]]
 

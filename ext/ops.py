@@ -26,6 +26,11 @@ def check_same_device(op, **tensors):
                              f"move them to the same device")
 
 
+def autocast_enabled(device_type):
+    """Autocast is on for `device_type` (never for one it does not know, such as meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _linear_fake(input, weight, bias):
     """Shape and dtype of linear and linear_relu, with the shape checks of checks.h."""
     check_same_device("ext.linear", input=input, weight=weight, bias=bias)
@@ -156,12 +161,17 @@ def _vmap_rule(op):
         input_dim, weight_dim, bias_dim = in_dims
         if weight_dim is None and bias_dim is None:
             samples = input.movedim(input_dim, 0)
-            output = op(samples.reshape(-1, samples.shape[-1]), weight, bias)
+            output = op(samples.flatten(0, -2), weight, bias)  # flatten: reshape(-1, 0) is ambiguous
             return output.view(samples.shape[0], samples.shape[1], output.shape[-1]), 0
 
         def sample(tensor, dim, index):
             return tensor if dim is None else tensor.select(dim, index)
 
+        if info.batch_size == 0:  # no sample to run: the output's shape, from one sample of zeros
+            def zeros(tensor, dim):
+                return tensor if dim is None else tensor.new_zeros(tensor.shape[:dim] + tensor.shape[dim + 1:])
+            shape = op(zeros(input, input_dim), zeros(weight, weight_dim), None if bias is None else zeros(bias, bias_dim)).shape
+            return input.new_empty((0, *shape)), 0
         outputs = [op(sample(input, input_dim, i), sample(weight, weight_dim, i),
                       None if bias is None else sample(bias, bias_dim, i)) for i in range(info.batch_size)]
         return torch.stack(outputs), 0
@@ -273,7 +283,7 @@ def _add_broadcast_bias(output, input, bias):
     if not broadcasts:
         raise RuntimeError(f"ext.linear: bias of shape {list(bias.shape)} does not broadcast to the output's "
                            f"shape {list(shape)}; give it shape [{output.shape[-1] if output.dim() else 1}]")
-    if torch.is_autocast_enabled(output.device.type) and bias.is_floating_point() and bias.device == output.device:
+    if autocast_enabled(output.device.type) and bias.is_floating_point() and bias.device == output.device:
         bias = bias.to(output.dtype)  # autocast casts every operand of F.linear, its bias too
     if bias.dtype != output.dtype or bias.device != output.device:  # F.linear refuses them; + would promote
         raise RuntimeError(f"ext.linear: bias is {bias.dtype} on {bias.device} but input is {input.dtype} on "

@@ -171,6 +171,13 @@ def test_adamws_betas_eps_and_amsgrad_are_settings_that_reach_the_optimizer():
         config.validate(config.load_config(["+optim.foo=1"]))
 
 
+def test_a_sweep_may_evaluate_a_checkpoint_but_not_resume_it(tmp_path):
+    arguments = config.resume_arguments(["-m", "trainer.eval_only=True", f"trainer.resume={tmp_path}", "linear=torch,custom"])
+    assert f"trainer.resume='{tmp_path}'" in arguments  # evaluating under -m: accepted
+    with pytest.raises(SystemExit):  # resuming under -m: each job would continue the same run (main's test: the line)
+        config.resume_arguments(["-m", f"trainer.resume={tmp_path}", "linear=torch,custom"])
+
+
 def test_cuda_device_is_rejected_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -158,6 +158,15 @@ def test_biases_that_broadcast_like_f_linear(fn, reference, input_shape, bias_sh
 @pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
                          ids=["linear", "linear_relu"])
 @pytest.mark.parametrize("bias_shape", [(1, 5), (4, 5)], ids=str)
+def test_meta_tensors_with_a_broadcast_bias_give_f_linears_shape(fn, reference, bias_shape):
+    # autocast has no meta device: asking whether it is on for one raised "unknown device type"
+    input, weight, bias = (torch.empty(shape, device="meta") for shape in ((4, 7), (5, 7), bias_shape))
+    assert fn(input, weight, bias).shape == reference(input, weight, bias).shape == (4, 5)
+
+
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
+                         ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("bias_shape", [(1, 5), (4, 5)], ids=str)
 def test_under_cpu_autocast_a_broadcast_bias_of_any_float_dtype_is_cast_as_f_linears(fn, reference, bias_shape):
     input, weight = torch.randn(4, 7), torch.randn(5, 7)
     for bias in (torch.randn(bias_shape).bfloat16(), torch.randn(bias_shape, dtype=torch.float64)):
@@ -419,6 +428,16 @@ def test_torch_func_transforms_match_f_linear(fn, reference, transform, vmap_nee
     input, weight, bias = make_operands(5, 4, 3, torch.float64)
     ours, theirs = TRANSFORMS[transform](fn, input, weight, bias), TRANSFORMS[transform](reference, input, weight, bias)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, torch_linear_relu)],
+                         ids=["linear", "linear_relu"])
+def test_vmap_over_no_samples_gives_an_empty_result_as_f_linear(fn, reference, vmap_needs_batching_rules):
+    input, weights, biases = torch.randn(3, 4), torch.randn(0, 5, 4), torch.randn(0, 5)
+    # per-sample weights (one product per sample: none here), with and without per-sample biases
+    expected = torch.func.vmap(lambda w, b: reference(input, w, b))(weights, biases)
+    assert torch.func.vmap(lambda w, b: fn(input, w, b))(weights, biases).shape == expected.shape == (0, 3, 5)
+    assert torch.func.vmap(lambda w: fn(input, w))(weights).shape == (0, 3, 5)
 
 
 @pytest.mark.parametrize("fn", [ext.linear, ext.linear_relu], ids=["linear", "linear_relu"])

@@ -126,6 +126,17 @@ def test_conv_pairs_get_curves_too_and_no_curve_shows_an_epoch_too_short_for_an_
     assert curve_epochs(tmp_path / "speedup" / "3_job") == [3]  # epoch 2's 19 steps give no interval
 
 
+def test_a_pair_with_too_few_steps_shows_no_interval(tmp_path):
+    make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.9, 5.4, 10.0)], step_times_s=[[5.4]])
+    make_job(tmp_path, 1, ["linear=custom"], "custom", [epoch(0.9, 2.4, 20.0)], step_times_s=[[2.4]])
+    markdown = summary.summarize_sweep(tmp_path)
+    assert "| 2.25x | - | too few steps to time (1 timed step per side, under 20) |" in markdown
+    with open(tmp_path / "summary.csv") as file:
+        row = list(csv.DictReader(file))[1]
+    assert row["speedup_vs_torch"] == "2.2500" and row["speedup_low"] == row["speedup_high"] == ""
+    assert not (tmp_path / "speedup").exists() or not any((tmp_path / "speedup").iterdir())  # no curve of a point
+
+
 def test_a_short_comparison_says_so_and_a_small_flop_share_says_what_it_measured(tmp_path):
     make_job(tmp_path, 0, ["linear=torch"], "torch", [epoch(0.9, 0.4, 10.0)], step_times_s=steps(0.002, seed=4),
              flop_share=9.2e-6)
@@ -229,9 +240,43 @@ def test_jobs_a_killed_sweep_never_started_are_listed_as_such(tmp_path):
     rows = summary.job_rows(tmp_path)
     assert [(row["job"], row["overrides"]) for row in rows] == [
         ("0_job", "linear=torch seed=0"), ("1_job", "linear=torch seed=1"),
-        ("-", "linear=custom seed=0"), ("-", "linear=custom seed=1")]
+        ("(linear=custom seed=0)", "linear=custom seed=0"), ("(linear=custom seed=1)", "linear=custom seed=1")]
     assert rows[2]["error"] == rows[3]["error"] == summary.NOT_STARTED
     assert "4 jobs, 3 failed" in summary.summarize_sweep(tmp_path)
+
+
+def write_multirun_yaml(sweep_dir, task, output_subdir=".hydra"):
+    OmegaConf.save(OmegaConf.create({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": None},
+        "output_subdir": output_subdir, "overrides": {"task": task}}}), sweep_dir / "multirun.yaml")
+
+
+def test_only_the_latest_sweeps_failures_fail_it(tmp_path, capsys):
+    # an earlier sweep into this folder left a failed job; the latest one, -m optim.lr=0.01,0.001, went well
+    make_job(tmp_path, 0, ["optim.lr=10"], "custom", [], finished=False, error="loss became nan in epoch 1")
+    make_job(tmp_path, 1, ["optim.lr=0.01"], "custom", [epoch(0.9, 1.0, 20.0)])
+    make_job(tmp_path, 2, ["optim.lr=0.001"], "custom", [epoch(0.8, 1.0, 20.0)])
+    write_multirun_yaml(tmp_path, ["optim.lr=0.01,0.001"])
+    summary.end_sweep(tmp_path)  # no SystemExit
+    assert "3 jobs, 1 failed" in capsys.readouterr().out  # the earlier failure is still listed
+    write_multirun_yaml(tmp_path, ["optim.lr=10,0.01"])
+    with pytest.raises(SystemExit):
+        summary.end_sweep(tmp_path)
+    assert capsys.readouterr().err.startswith("error: 1 job(s) failed: 0_job (")
+
+
+def test_job_folders_hydra_cannot_show_are_not_called_unstarted(tmp_path):
+    # hydra.output_subdir=null: the jobs have no .hydra/ to read, so nothing says which of them ran
+    write_multirun_yaml(tmp_path, ["linear=torch,custom"], output_subdir=None)
+    assert summary.jobs_not_started(tmp_path, []) == [] and summary.expected_jobs(tmp_path) is None
+
+
+def test_a_failure_newer_than_a_summary_is_the_jobs_latest_word(tmp_path):
+    # a rerun stopped by a bad setting (or a SLURM job cancelled while pending) before it set the earlier run aside
+    make_job(tmp_path, 0, ["optim.lr=0.1"], "custom", [epoch(0.9, 1.0, 20.0)])
+    assert "error" not in summary.job_rows(tmp_path)[0]
+    summary.write_job_failure(tmp_path / "0_job", "optim.lr=-1 is invalid")
+    assert summary.job_rows(tmp_path)[0]["error"] == "optim.lr=-1 is invalid"
 
 
 def test_a_repeated_job_is_named_as_not_compared(tmp_path):

@@ -34,11 +34,13 @@ def test_too_little_timed_work_is_too_short_to_time():
 def test_too_few_steps_give_no_interval_to_trust_and_say_so():
     # one long step a side: a bootstrap of one value is a point, which had read "2.24x (2.24-2.24): custom is faster"
     ratio = timing.speedup([5.4], [2.4])
-    assert ratio.verdict == f"too few steps to time (1 timed steps per side, under {timing.MIN_TIMED_STEPS})"
+    assert ratio.verdict == f"too few steps to time (1 timed step per side, under {timing.MIN_TIMED_STEPS})"
+    assert str(ratio) == f"2.25x: {ratio.verdict}" and ratio.interval_text() == "-"  # no interval shown, not a point
     few = timing.MIN_TIMED_STEPS - 1
     assert timing.speedup(steps(2.0, count=few), steps(1.0, count=400)).verdict.startswith(f"too few steps to time ({few}")
     assert timing.speedup(steps(2.0, count=few + 1), steps(1.0, count=few + 1)).verdict == "custom is faster"
     assert timing.mean_interval([5.44, 5.45], scale=1000) == "5.44e+03 (2 timed steps: too few for an interval)"
+    assert timing.mean_interval([5.44], scale=1000) == "5.44e+03 (1 timed step: too few for an interval)"
 
 
 def test_runs_one_after_the_other_count_only_beyond_their_noise():

@@ -364,8 +364,10 @@ def resume_arguments(argv):
     for argument in argv:
         key, _, value = argument.partition("=")
         if key.lstrip("+") == "trainer.resume" and value not in ("", "null"):
-            if {"-m", "--multirun"} & set(argv):
-                fail("trainer.resume continues one run in its own folder, which a sweep's jobs would share; drop -m")
+            evaluating = any(arg.lower() == "trainer.eval_only=true" for arg in argv)
+            if {"-m", "--multirun"} & set(argv) and not evaluating:
+                fail("trainer.resume continues one run in its own folder, which a sweep's jobs would share; drop -m "
+                     "(or evaluate it: trainer.eval_only=true)")
             path = Path(value.strip("'\"")).expanduser().absolute()
             if not path.exists():
                 fail(f"trainer.resume={value}: no such file or folder; give a run folder or a .pt file", 1)

@@ -110,8 +110,11 @@ def read_run_summary(run_dir):
 
 
 def job_results(job_dir):
-    """A job's summary.json, or {"error": why it has none} (its failed.txt, killed, or unreadable)."""
-    if not (job_dir / RUN_SUMMARY_NAME).is_file():
+    """A job's summary.json, or {"error": why it has none} (its failed.txt, killed, or unreadable). A failed.txt
+    newer than the summary.json is the job's latest word: a rerun that failed before it set the earlier run
+    aside (a bad setting, a SLURM job cancelled while pending)."""
+    results, failure = job_dir / RUN_SUMMARY_NAME, job_dir / JOB_FAILURE_NAME
+    if not results.is_file() or (failure.is_file() and failure.stat().st_mtime_ns >= results.stat().st_mtime_ns):
         return {"error": job_error(job_dir)}
     try:
         return read_run_summary(job_dir)
@@ -162,18 +165,29 @@ def jobs_not_started(sweep_dir, rows):
     """A row for each job the latest sweep asked for (multirun.yaml: its overrides, through Hydra's own basic
     sweeper) that has no folder: a sweep killed early, still running, or stopped by a failed launch. Other
     sweepers (Optuna) choose their jobs as they go: none are listed."""
+    jobs = expected_jobs(sweep_dir)
+    if jobs is None:
+        return []
+    present = {tuple(sorted(row["override_list"])) for row in rows}
+    return [{"num": None, "job": f"({' '.join(job)})", "overrides": " ".join(job), "override_list": job,
+             "linear": "-", "conv": "-", "error": NOT_STARTED} for job in jobs if tuple(sorted(job)) not in present]
+
+
+def expected_jobs(sweep_dir):
+    """The override lists of the jobs the latest sweep into `sweep_dir` asked for, or None where that cannot be
+    known: no multirun.yaml, another sweeper than Hydra's basic one, a glob sweep, or job folders without
+    .hydra/ (hydra.output_subdir=null), which job_rows cannot see."""
     try:
         config = OmegaConf.load(Path(sweep_dir) / "multirun.yaml")
-        if not str(OmegaConf.select(config, "hydra.sweeper._target_", default="")).endswith("BasicSweeper"):
-            return []
+        if (not str(OmegaConf.select(config, "hydra.sweeper._target_", default="")).endswith("BasicSweeper")
+                or OmegaConf.select(config, "hydra.output_subdir", default=".hydra") is None):
+            return None
         params = OmegaConf.select(config, "hydra.sweeper.params", default=None) or {}
         arguments = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
         (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
     except Exception:  # no multirun.yaml, or one this cannot expand (a glob sweep): nothing to compare with
-        return []
-    present = {tuple(sorted(row["override_list"])) for row in rows}
-    return [{"num": None, "job": "-", "overrides": " ".join(job), "override_list": job, "linear": "-", "conv": "-",
-             "error": NOT_STARTED} for job in jobs if tuple(sorted(job)) not in present]
+        return None
+    return jobs
 
 
 def job_hydra_dirs(sweep_dir):
@@ -267,8 +281,11 @@ def pair_csv_cells(pair, group):
     if pair is None:
         return [""] * len(PAIR_CSV_COLUMNS[group])
     ratio = speedup(*pair)
-    cells = ([f"{ratio.value:.4f}", f"{ratio.low:.4f}", f"{ratio.high:.4f}", ratio.verdict] if ratio
-             else ["", "", "", "no step times recorded"])
+    if ratio is None:
+        cells = ["", "", "", "no step times recorded"]
+    else:  # no interval from too few steps: empty cells, not a point
+        bounds = [f"{ratio.low:.4f}", f"{ratio.high:.4f}"] if ratio.has_interval else ["", ""]
+        cells = [f"{ratio.value:.4f}", *bounds, ratio.verdict]
     return cells + [pair[1].get(f"{group}_flop_share", ""), f"{val_acc_diff_points(*pair):.2f}"]
 
 
@@ -370,8 +387,11 @@ def write_speedup_curves(sweep_dir, pairs, conv_pairs=()):
         for torch_row, custom_row in group_pairs:
             if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
                 continue
+            points = list(epoch_speedups(torch_row, custom_row))
+            if not points:  # no epoch long enough for an interval: no curve
+                continue
             with SummaryWriter(folder / f"{prefix}{custom_row['job']}") as writer:
-                for epoch, ratio in epoch_speedups(torch_row, custom_row):
+                for epoch, ratio in points:
                     for tag, value in zip(SPEEDUP_TAGS, (ratio.value, ratio.low, ratio.high)):
                         writer.add_scalar(tag, value, epoch)
 
@@ -381,10 +401,11 @@ def epoch_speedups(torch_row, custom_row):
     from a checkpoint written before step times were recorded has step times for its later epochs only)."""
     count = min(len(torch_row[STEP_TIMES_KEY]), len(custom_row[STEP_TIMES_KEY]))
     first_epoch = custom_row["epochs"] - count + 1
-    warm_ups = {first_epoch + index - len(row[STEP_TIMES_KEY]) + count
-                for row in (torch_row, custom_row) for index in row.get(WARMUP_EPOCHS_KEY, [0])}
-    if set(range(first_epoch, first_epoch + count)) <= warm_ups:  # as timing.timed_steps: then all of them
-        warm_ups = set()
+    warm_ups = set()
+    for row in (torch_row, custom_row):  # as timing.timed_steps: a job's warm-ups left out if it has other epochs
+        cold = set(row.get(WARMUP_EPOCHS_KEY, [0]))
+        if set(range(len(row[STEP_TIMES_KEY]))) - cold:
+            warm_ups |= {first_epoch + index - len(row[STEP_TIMES_KEY]) + count for index in cold}
     epochs = zip(torch_row[STEP_TIMES_KEY][-count:], custom_row[STEP_TIMES_KEY][-count:])
     for epoch, (torch_steps, custom_steps) in enumerate(epochs, first_epoch):
         ratio = timing.speedup(torch_steps, custom_steps, sequential=True)
@@ -405,10 +426,15 @@ def main(argv=None):
 
 
 def end_sweep(sweep_dir):
-    """Summarize `sweep_dir`, print the summary, and exit with 1 after one error line if a job failed."""
+    """Summarize `sweep_dir`, print the summary, and exit with 1 after one error line if a job of the latest
+    sweep into it failed (or did not start)."""
     rows = job_rows(sweep_dir)
     print(summarize_sweep(sweep_dir, rows), flush=True)
-    failed = [row["job"] for row in rows if "error" in row]
+    # the latest sweep's jobs decide: an earlier sweep's failed job in this folder is listed, but does not fail it
+    latest = expected_jobs(sweep_dir)
+    latest = None if latest is None else {tuple(sorted(job)) for job in latest}
+    failed = [row["job"] for row in rows
+              if "error" in row and (latest is None or tuple(sorted(row["override_list"])) in latest)]
     if failed:
         print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
               f"{Path(sweep_dir) / MARKDOWN_NAME})", file=sys.stderr, flush=True)

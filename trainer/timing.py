@@ -98,7 +98,7 @@ def mean_interval(steps, scale=1.0, seed=0):
     if not steps:
         return "-"
     if len(steps) < MIN_TIMED_STEPS:
-        return f"{np.mean(steps) * scale:.3g} ({len(steps)} timed steps: too few for an interval)"
+        return f"{np.mean(steps) * scale:.3g} ({len(steps)} timed step{'s' if len(steps) != 1 else ''}: too few for an interval)"
     low, high = percentiles(bootstrap_means(steps, np.random.default_rng(seed)) * scale)
     return f"{np.mean(steps) * scale:.3g} (95% interval {low:.3g}-{high:.3g})"
 
@@ -117,8 +117,9 @@ class Speedup:
 
     @property
     def verdict(self):
-        if self.steps < MIN_TIMED_STEPS:
-            return f"too few steps to time ({self.steps} timed steps per side, under {MIN_TIMED_STEPS})"
+        if not self.has_interval:
+            return f"too few steps to time ({self.steps} timed step{'s' if self.steps != 1 else ''} per side, " \
+                   f"under {MIN_TIMED_STEPS})"
         if self.timed_s < MIN_TIMED_S:
             return f"too short to time ({self.timed_s:.2g} s of timed steps per side, under {MIN_TIMED_S:g} s)"
         if self.low <= 1 <= self.high:
@@ -128,11 +129,17 @@ class Speedup:
                     f"{SEQUENTIAL_NOISE - 1:.0%} here; python -m bench.train interleaves them)")
         return "custom is faster" if self.low > 1 else "custom is slower"
 
+    @property
+    def has_interval(self):
+        """Enough steps a side for the bootstrap's interval to mean anything (MIN_TIMED_STEPS)."""
+        return self.steps >= MIN_TIMED_STEPS
+
     def interval_text(self):
-        return f"{self.low:.2f}-{self.high:.2f}"
+        return f"{self.low:.2f}-{self.high:.2f}" if self.has_interval else "-"
 
     def __str__(self):
-        return f"{self.value:.2f}x (95% interval {self.interval_text()}): {self.verdict}"
+        interval = f" (95% interval {self.interval_text()})" if self.has_interval else ""
+        return f"{self.value:.2f}x{interval}: {self.verdict}"
 
 
 def speedup(torch_steps, custom_steps, sequential=False, seed=0):
