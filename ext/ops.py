@@ -170,7 +170,8 @@ def _vmap_rule(op):
         if info.batch_size == 0:  # no sample to run: the output's shape, from one sample of zeros
             def zeros(tensor, dim):
                 return tensor if dim is None else tensor.new_zeros(tensor.shape[:dim] + tensor.shape[dim + 1:])
-            shape = op(zeros(input, input_dim), zeros(weight, weight_dim), None if bias is None else zeros(bias, bias_dim)).shape
+            bias_zeros = None if bias is None else zeros(bias, bias_dim)
+            shape = op(zeros(input, input_dim), zeros(weight, weight_dim), bias_zeros).shape
             return input.new_empty((0, *shape)), 0
         outputs = [op(sample(input, input_dim, i), sample(weight, weight_dim, i),
                       None if bias is None else sample(bias, bias_dim, i)) for i in range(info.batch_size)]

@@ -154,7 +154,8 @@ def check_search_direction(job_overrides):
     wanted = summary.OBJECTIVES[objective]
     if direction.lower() != wanted:
         fail(f"hydra.sweeper.direction={direction} would search for the worst trainer.objective={objective}, "
-             f"which improves as it {'falls' if wanted == 'minimize' else 'rises'}; add hydra.sweeper.direction={wanted}")
+             f"which improves as it {'falls' if wanted == 'minimize' else 'rises'}; "
+             f"add hydra.sweeper.direction={wanted}")
 
 
 def natural_order(names):
@@ -282,7 +283,7 @@ OPTION_RULES = {
     "optim.weight_decay": Rule(lambda v: is_number(v) and 0 <= v < math.inf, "a number >= 0"),
     "optim.momentum": FRACTION,
     "optim.nesterov": BOOL,
-    "optim.betas": Rule(lambda v: isinstance(v, ListConfig) and len(v) == 2 and all(is_number(b) and 0 <= b < 1 for b in v),
+    "optim.betas": Rule(lambda v: isinstance(v, ListConfig) and len(v) == 2 and all(FRACTION.test(b) for b in v),
                         "[beta1, beta2], each a number in [0, 1)"),
     "optim.eps": Rule(lambda v: is_number(v) and 0 < v < math.inf, "a positive number"),
     "optim.amsgrad": BOOL,

@@ -98,7 +98,8 @@ def mean_interval(steps, scale=1.0, seed=0):
     if not steps:
         return "-"
     if len(steps) < MIN_TIMED_STEPS:
-        return f"{np.mean(steps) * scale:.3g} ({len(steps)} timed step{'s' if len(steps) != 1 else ''}: too few for an interval)"
+        plural = "s" if len(steps) != 1 else ""
+        return f"{np.mean(steps) * scale:.3g} ({len(steps)} timed step{plural}: too few for an interval)"
     low, high = percentiles(bootstrap_means(steps, np.random.default_rng(seed)) * scale)
     return f"{np.mean(steps) * scale:.3g} (95% interval {low:.3g}-{high:.3g})"
 
