@@ -168,9 +168,9 @@ def jobs_not_started(sweep_dir, rows):
     jobs = expected_jobs(sweep_dir)
     if jobs is None:
         return []
-    present = {tuple(sorted(row["override_list"])) for row in rows}
+    present = {job_key(row["override_list"]) for row in rows}
     return [{"num": None, "job": f"({' '.join(job)})", "overrides": " ".join(job), "override_list": job,
-             "linear": "-", "conv": "-", "error": NOT_STARTED} for job in jobs if tuple(sorted(job)) not in present]
+             "linear": "-", "conv": "-", "error": NOT_STARTED} for job in jobs if job_key(job) not in present]
 
 
 def expected_jobs(sweep_dir):
@@ -196,6 +196,11 @@ def job_hydra_dirs(sweep_dir):
                   if path.parent != Path(sweep_dir) and (path / "overrides.yaml").is_file())
 
 
+def job_key(overrides):
+    """One key for a job's override list, whatever order its overrides were given in."""
+    return tuple(sorted(overrides))
+
+
 def override_key(override):
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -207,7 +212,7 @@ def choice_pairs(rows, group="linear"):
     for row in rows:
         if "error" in row:
             continue
-        rest = tuple(sorted(o for o in row["override_list"] if override_key(o) != group))
+        rest = job_key(o for o in row["override_list"] if override_key(o) != group)
         groups.setdefault(rest, {}).setdefault(row[group], row)
     return [(group["torch"], group["custom"]) for group in groups.values() if {"torch", "custom"} <= set(group)]
 
@@ -219,7 +224,7 @@ def repeated_jobs(rows):
     repeats = []
     for row in rows:
         if "error" not in row:
-            first = first_with.setdefault(tuple(sorted(row["override_list"])), row)
+            first = first_with.setdefault(job_key(row["override_list"]), row)
             if first is not row:
                 repeats.append((row, first))
     return repeats
@@ -432,9 +437,9 @@ def end_sweep(sweep_dir):
     print(summarize_sweep(sweep_dir, rows), flush=True)
     # the latest sweep's jobs decide: an earlier sweep's failed job in this folder is listed, but does not fail it
     latest = expected_jobs(sweep_dir)
-    latest = None if latest is None else {tuple(sorted(job)) for job in latest}
+    latest = None if latest is None else {job_key(job) for job in latest}
     failed = [row["job"] for row in rows
-              if "error" in row and (latest is None or tuple(sorted(row["override_list"])) in latest)]
+              if "error" in row and (latest is None or job_key(row["override_list"]) in latest)]
     if failed:
         print(f"error: {len(failed)} job(s) failed: {', '.join(failed)} (their errors are in "
               f"{Path(sweep_dir) / MARKDOWN_NAME})", file=sys.stderr, flush=True)
