@@ -10,8 +10,9 @@ import torch
 
 from torch.nn import functional as F
 from torch.overrides import handle_torch_function, has_torch_function
+from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
-from ext.ops import _transforms_active, autocast_enabled, check_same_device, linear
+from ext.ops import _transforms_active, as_int, autocast_enabled, check_same_device, linear
 
 _CONV2D = torch.ops.ext.conv2d.default
 
@@ -59,12 +60,28 @@ def _conv2d_backward_bias_fake(grad_output):
     return grad_output.new_empty((grad_output.shape[1],))
 
 
+# FLOP counts for torch.utils.flop_counter, as torch counts its convolution: each gradient costs what the
+# forward does.
+@register_flop_formula(torch.ops.ext.conv2d)
+def _conv2d_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs):
+    return conv_flop_count(input_shape, weight_shape, out_shape)
+
+
+@register_flop_formula(torch.ops.ext.conv2d_backward_input)
+def _conv2d_backward_input_flops(grad_output_shape, weight_shape, input_size, *args, **kwargs):
+    return conv_flop_count(input_size, weight_shape, grad_output_shape)
+
+
+@register_flop_formula(torch.ops.ext.conv2d_backward_weight)
+def _conv2d_backward_weight_flops(grad_output_shape, input_shape, weight_size, *args, **kwargs):
+    return conv_flop_count(input_shape, weight_size, grad_output_shape)
+
+
 def _pair(name, value):
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, value
-    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return (value[0], value[0]) if len(value) == 1 else tuple(value)
+    if as_int(value) is not None:
+        return as_int(value), as_int(value)
+    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(as_int(v) is not None for v in value):
+        return (as_int(value[0]), as_int(value[0])) if len(value) == 1 else tuple(as_int(v) for v in value)
     raise TypeError(f"ext.conv2d: {name} must be an int or a pair of ints, got {value!r}")
 
 
@@ -105,7 +122,7 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if has_torch_function((input, weight, bias)):  # fx Proxies, tensor subclasses, torch function modes
         return handle_torch_function(conv2d, (input, weight, bias), input, weight, bias, stride, padding, dilation,
                                      groups)
-    if not (isinstance(groups, int) and not isinstance(groups, bool) and groups == 1):
+    if as_int(groups) != 1:
         raise ValueError(f"ext.conv2d: groups={repr(groups)} is not supported (only the int 1); run this layer with "
                          "torch's convolution (conv=torch, or leave it an nn.Conv2d)")
     for name, value in (("input", input), ("weight", weight)):

@@ -8,9 +8,13 @@ does a Python autograd.Function take over (_TransformableLinear).
 """
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 from torch.autograd import forward_ad
 from torch.overrides import handle_torch_function, has_torch_function
+from torch.utils.flop_counter import register_flop_formula
 
 from ext import _calls
 
@@ -68,6 +72,19 @@ def _linear_backward_weight_fake(grad_output, input):
 @torch.library.register_fake("ext::linear_backward_bias")
 def _linear_backward_bias_fake(grad_output):
     return grad_output.new_empty((grad_output.shape[1],))
+
+
+# FLOP counts for torch.utils.flop_counter (FlopCounterMode, MFU): torch's own for a matrix product,
+# 2·M·N·K, from the shapes the op receives (2-D operands) and returns. The bias's additions, as torch's, are
+# not counted.
+@register_flop_formula([torch.ops.ext.linear, torch.ops.ext.linear_relu, torch.ops.ext.linear_backward_input])
+def _linear_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs):
+    return 2 * math.prod(out_shape) * input_shape[-1]  # backward_input: (M, N) · (N, K), N = grad_output's last
+
+
+@register_flop_formula(torch.ops.ext.linear_backward_weight)
+def _linear_backward_weight_flops(grad_output_shape, input_shape, *args, out_shape=None, **kwargs):
+    return 2 * math.prod(grad_output_shape) * input_shape[-1]
 
 
 # The ops' overloads: what torch.compile traces into its graph, and what the general path, the Python autograd
@@ -326,28 +343,55 @@ def _cross_entropy_fake(input, target, ignore_index=-100):
     return input.new_empty(())  # a mean, whatever the shapes (the op takes torch's for the unusual ones)
 
 
-def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """F.cross_entropy(input, target, ignore_index=ignore_index): the mean over the rows of
-    -log softmax(input)[target], rows whose target is ignore_index left out.
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                  size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    """F.cross_entropy, with F.cross_entropy's arguments. Its default form, the trainer's loss, runs our
+    kernel: the mean over the rows of -log softmax(input)[target], rows whose target is ignore_index left out.
 
     input (batch, classes) float32 or float64 and target (batch,) class indices (int64) on the CPU
-    run our kernel (ext/csrc/loss.cpp): one pass forward, one backward (under CPU autocast, in float32).
-    Anything else (CUDA, other shapes or dtypes, torch.func transforms) runs F.cross_entropy, so any
-    call F.cross_entropy takes with these arguments works here too. It keeps the logits for a double
-    backward: changed in place before the backward, they stop it with autograd's in-place error.
+    run it (ext/csrc/loss.cpp): one pass forward, one backward (under CPU autocast, in float32).
+    Anything else (a weight, another reduction, label smoothing, CUDA, other shapes or dtypes,
+    torch.func transforms) runs F.cross_entropy, so every call F.cross_entropy takes works here too.
+    The kernel keeps the logits for a double backward: changed in place before the backward, they stop
+    it with autograd's in-place error.
 
     Example:
         >>> loss = ext.cross_entropy(torch.randn(128, 10, requires_grad=True), torch.randint(0, 10, (128,)))
         >>> loss.backward()
     """
+    kernel_form = (weight is None and size_average is None and reduce is None and reduction == "mean"
+                   and label_smoothing == 0.0)
     if torch.jit.is_scripting():  # TorchScript compiles this branch only
-        return torch.ops.ext.cross_entropy(input, target, ignore_index)
-    if not (isinstance(ignore_index, int) and not isinstance(ignore_index, bool) and -2**63 <= ignore_index < 2**63):
-        raise TypeError(f"ext.cross_entropy: ignore_index must be an integer (a class index, -100 by default), "
-                        f"got {ignore_index}")
-    if has_torch_function((input, target)) or _transforms_active():
-        return torch.nn.functional.cross_entropy(input, target, ignore_index=ignore_index)
+        if kernel_form:
+            return torch.ops.ext.cross_entropy(input, target, ignore_index)
+        return torch.nn.functional.cross_entropy(input, target, weight, size_average, ignore_index, reduce,
+                                                 reduction, label_smoothing)
+    ignore_index = _class_index(ignore_index)
+    if not kernel_form or has_torch_function((input, target)) or _transforms_active():
+        return torch.nn.functional.cross_entropy(input, target, weight, size_average, ignore_index, reduce,
+                                                 reduction, label_smoothing)
     for name, value in (("input", input), ("target", target)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"ext.cross_entropy: {name} must be a torch.Tensor, got {type(value).__name__}")
     return _CROSS_ENTROPY(input, target, ignore_index)
+
+
+def as_int(value):
+    """`value` as an int where torch takes it for one (an int, a numpy integer, a one-element integer
+    tensor: anything with __index__ but a bool), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _class_index(ignore_index):
+    """ignore_index as an int, or one line saying what it must be."""
+    index = as_int(ignore_index)
+    if index is None or not -2**63 <= index < 2**63:
+        raise TypeError(f"ext.cross_entropy: ignore_index must be an integer (a class index, -100 by default), "
+                        f"got {ignore_index}")
+    return index

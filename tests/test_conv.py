@@ -2,6 +2,7 @@
 rounding) and float32, PyTorch's own samples, drawn shapes, memory formats, registration, refusals."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -626,3 +627,29 @@ def test_under_a_transform_refusals_are_the_ops_own_line(image, kwargs, message)
     with pytest.raises(RuntimeError) as error:
         torch.func.grad(lambda w: ext.conv2d(torch.randn(image), w, **kwargs).sum())(w)
     assert message in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("integer", [np.int64, torch.tensor], ids=["numpy", "0-d tensor"])
+def test_integers_of_other_types_are_taken_as_f_conv2d_takes_them(integer):
+    x, w = torch.randn(2, 3, 9, 11, dtype=torch.float64), torch.randn(4, 3, 3, 2, dtype=torch.float64)
+    assert_matches_torch(x, w, stride=integer(2), padding=(integer(1), 2), dilation=[integer(2), 1],
+                         groups=integer(1))
+    if integer is torch.tensor:
+        return  # nn.Conv2d itself refuses a tensor there
+    ours, theirs = (module(3, 4, 3, stride=integer(2), padding=integer(1), dtype=torch.float64)
+                    for module in (ext.Conv2d, nn.Conv2d))
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+
+
+def test_flop_counter_counts_what_it_counts_for_f_conv2d():
+    from torch.utils.flop_counter import FlopCounterMode
+    x, w, b = torch.randn(2, 3, 9, 8), torch.randn(4, 3, 3, 2), torch.randn(4)
+    counts = []
+    for conv in (F.conv2d, ext.conv2d):
+        with FlopCounterMode(display=False) as forward:
+            conv(x, w, b, stride=2, padding=(1, 2), dilation=(1, 2))
+        with FlopCounterMode(display=False) as step:
+            conv(*with_grads(x, w, b), stride=2, padding=(1, 2), dilation=(1, 2)).sum().backward()
+        counts.append((forward.get_total_flops(), step.get_total_flops()))
+    assert counts[1] == counts[0] and counts[0][1] == 3 * counts[0][0] > 0

@@ -1,5 +1,6 @@
 """ext.cross_entropy (ext/csrc/loss.cpp) against F.cross_entropy: loss and gradient, float64 for exactness
 and float32 for the real path, over many shapes, with ignored rows, extreme values and the fallbacks."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -302,6 +303,53 @@ def test_torchscript_compiles_a_module_that_calls_it():
         def forward(self, logits, target):
             return ext.cross_entropy(logits, target)
 
-    scripted = torch.jit.script(Loss())
+    class SmoothedLoss(torch.nn.Module):
+        def forward(self, logits, target):
+            return ext.cross_entropy(logits, target, label_smoothing=0.1, reduction="sum")
+
     logits, target = draw(8, 5, torch.float64, seed=13, ignored=1)
-    torch.testing.assert_close(scripted(logits, target), F.cross_entropy(logits, target), rtol=1e-13, atol=0)
+    torch.testing.assert_close(torch.jit.script(Loss())(logits, target), F.cross_entropy(logits, target),
+                               rtol=1e-13, atol=0)
+    torch.testing.assert_close(torch.jit.script(SmoothedLoss())(logits, target),
+                               F.cross_entropy(logits, target, label_smoothing=0.1, reduction="sum"),
+                               rtol=1e-13, atol=0)
+
+
+WEIGHT = torch.tensor([0.5, 2.0, 1.0, 0.25, 3.0], dtype=torch.float64)
+
+
+@pytest.mark.filterwarnings("ignore:size_average and reduce args will be deprecated:UserWarning")
+@pytest.mark.parametrize("args, kwargs", [
+    ((), dict(weight=WEIGHT)), ((WEIGHT,), {}), ((), dict(weight=WEIGHT, ignore_index=2)),
+    ((), dict(reduction="none")), ((), dict(reduction="sum")), ((), dict(label_smoothing=0.1)),
+    ((), dict(label_smoothing=0.2, reduction="none", weight=WEIGHT)), ((), dict(size_average=False)),
+    ((), dict(reduce=False)),
+], ids=lambda value: str(value)[:40])
+def test_f_cross_entropys_other_arguments_give_torchs_loss(args, kwargs):
+    logits, target = draw(9, 5, torch.float64, seed=21, ignored=2, ignore_index=kwargs.get("ignore_index", -100))
+    loss = ext.cross_entropy(logits, target, *args, **kwargs)
+    reference = F.cross_entropy(logits, target, *args, **kwargs)
+    torch.testing.assert_close(loss, reference, rtol=1e-13, atol=0)
+    upstream = torch.randn_like(loss)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits, upstream)[0],
+                               torch.autograd.grad(reference, logits, upstream)[0], rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("ignore_index", [np.int64(3), torch.tensor(3), torch.tensor([3])], ids=type)
+def test_an_ignore_index_torch_takes_as_an_integer_runs_the_kernel(ignore_index):
+    logits, target = draw(128, 10, torch.float64, seed=22, ignored=5, ignore_index=3)
+    with torch.profiler.profile() as profile:
+        assert_matches_torch(logits, target, ignore_index=ignore_index)
+    assert "ext::cross_entropy_backward" in [event.name for event in profile.events()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_batched_gradients_match_torch(dtype):
+    logits, target = draw(6, 4, dtype, seed=23, ignored=1)
+    upstream = torch.tensor([1.0, -2.0, 0.5], dtype=dtype)
+    ours, theirs = (torch.autograd.grad(fn(logits, target), logits, upstream, is_grads_batched=True)[0]
+                    for fn in (ext.cross_entropy, F.cross_entropy))
+    torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype])
+    ours, theirs = (torch.autograd.functional.jacobian(lambda x: fn(x, target), logits.detach(), vectorize=True)
+                    for fn in (ext.cross_entropy, F.cross_entropy))
+    torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype])

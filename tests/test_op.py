@@ -355,6 +355,24 @@ def test_backward_computes_only_needed_grads(fn, wanted, expected_ops):
     assert {op for op in log.ops if op.startswith("ext.")} == expected_ops
 
 
+@pytest.mark.parametrize("fn, reference", [(ext.linear, F.linear), (ext.linear_relu, lambda *a: F.linear(*a).relu())],
+                         ids=["linear", "linear_relu"])
+@pytest.mark.parametrize("input_shape", [(7, 5), (2, 3, 5), (5,)], ids=str)
+@pytest.mark.parametrize("wanted", ["all", "input", "weight"])
+def test_flop_counter_counts_what_it_counts_for_f_linear(fn, reference, input_shape, wanted):
+    from torch.utils.flop_counter import FlopCounterMode
+    counts = []
+    for linear in (reference, fn):
+        input, weight, bias = torch.randn(input_shape), torch.randn(4, 5), torch.randn(4)
+        input.requires_grad_(wanted in ("input", "all"))
+        weight.requires_grad_(wanted in ("weight", "all"))
+        with FlopCounterMode(display=False) as step:
+            linear(input, weight, bias).sum().backward()
+        counts.append(step.get_total_flops())
+    flops = 2 * math.prod(input_shape) * 4
+    assert counts == [counts[0]] * 2 and counts[0] == flops * (3 if wanted == "all" else 2)
+
+
 def test_relu_gradient_is_zero_where_output_is_not_positive():
     # Rows chosen so that pre-activations are exactly 0, negative and positive.
     input = torch.tensor([[1.0, -1.0], [2.0, 1.0], [-1.0, 0.0]], dtype=torch.float64, requires_grad=True)

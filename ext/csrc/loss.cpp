@@ -250,8 +250,10 @@ class CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFuncti
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     const auto counted = static_cast<double>(ctx->saved_data["counted"].toInt());
     const at::Tensor& grad = grad_outputs[0];
-    if (at::GradMode::is_enabled() || !plain_cpu_case(input, target) || grad.device() != input.device()) {
-      // create_graph (or anything unusual): the same formula from differentiable ops
+    if (at::GradMode::is_enabled() || !plain_cpu_case(input, target) || !plain_cpu(grad) ||
+        grad.device() != input.device()) {
+      // create_graph, or anything unusual (a batched grad under is_grads_batched): the same formula
+      // from differentiable ops
       const auto counted_rows = target.ne(ignore_index).unsqueeze(1);
       const auto one_hot = at::one_hot(at::where(counted_rows.squeeze(1), target, 0), input.size(1));
       // (a mean of no rows has no gradient: divided by 1 rather than 0, so that the mask's backward
