@@ -340,7 +340,8 @@ _CROSS_ENTROPY = torch.ops.ext.cross_entropy.default
 @torch.library.register_fake("ext::cross_entropy")
 def _cross_entropy_fake(input, target, ignore_index=-100):
     check_same_device("ext.cross_entropy", input=input, target=target)
-    return input.new_empty(())  # a mean, whatever the shapes (the op takes torch's for the unusual ones)
+    # torch's loss on the fake tensors: its shape checks and its result (the op takes torch's for unusual shapes)
+    return torch.ops.aten.cross_entropy_loss(input, target, None, 1, ignore_index, 0.0)
 
 
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,

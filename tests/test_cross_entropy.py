@@ -238,9 +238,11 @@ def test_torch_func_grad_and_fake_tensors():
     assert fake.shape == () and fake.dtype == torch.float64
 
 
-def test_meta_tensors_give_a_scalar():
+def test_meta_tensors_give_a_scalar_and_torchs_shape_checks():
     loss = ext.cross_entropy(torch.empty(5, 3, device="meta"), torch.empty(5, dtype=torch.long, device="meta"))
     assert loss.device.type == "meta" and loss.shape == ()
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"^Expected input batch_size \(5\) to match"):
+        ext.cross_entropy(torch.empty(5, 3, device="meta"), torch.empty(4, dtype=torch.long, device="meta"))
 
 
 def test_the_backward_is_one_kernel_named_for_the_profiler():
