@@ -130,6 +130,8 @@ def conv2d(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             raise TypeError(f"ext.conv2d: {name} must be a torch.Tensor, got {type(value).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"ext.conv2d: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if input.is_nested:
+        raise TypeError("ext.conv2d: nested tensors are not supported; convolve each image (or a padded batch)")
     if weight.dim() != 4:
         raise RuntimeError(f"ext.conv2d: weight must be 4-D (out_channels, in_channels, kernel_h, kernel_w), "
                            f"got shape {tuple(weight.shape)}")

@@ -301,6 +301,8 @@ def test_cpu_autocast_runs_float32():
                                                                                           "shape [4]"),
     (lambda: ext.conv2d(torch.randn(1, 4, 5, 5).to_sparse(), torch.randn(4, 4, 3, 3)), ".to_dense()"),
     (lambda: ext.Conv2d(4, 8, 3, groups=2), "groups=2 is not supported"),
+    (lambda: ext.conv2d(torch.nested.nested_tensor([torch.randn(4, 5, 5)]), torch.randn(4, 4, 3, 3)),
+     "nested tensors are not supported"),
     (lambda: ext.conv2d(torch.randn(2, 4, 5, 5), torch.randn(4, 4, 3, 3), groups="1"), "groups='1' is not supported"),
     (lambda: ext.conv2d(torch.randn(2, 3, 5, 5), torch.randn(4, 3, 0, 3)), "the kernel must be at least 1x1, got 0x3"),
     (lambda: ext.conv2d(torch.randn(2, 3, 5, 5), torch.randn(4, 3, 3, 3, device="meta")),
