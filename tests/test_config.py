@@ -1,5 +1,6 @@
 """conf/: every option of every group composes and builds; bad settings fail in one line."""
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,15 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["hydra.run.dir=/proc/no_run_here"], ["hydra.run.dir=/proc/no_run_here cannot be made (No such file"]),
     (["-m", "hydra.sweep.dir=/proc/no_sweep_here", "linear=torch,custom"], ["hydra.sweep.dir=/proc/no_sweep_here "
                                                                             "cannot be made"]),
+    # a sweep or a search without -m (Hydra: six lines; a search's config alone would train one default run)
+    (["linear=torch,custom"], ["linear=torch,custom is a sweep: add -m (python train.py -m linear=torch,custom)"]),
+    (["optim.lr=range(1,3)"], ["is a sweep: add -m (python train.py -m 'optim.lr=range(1,3)')"]),
+    (["search=mlp_lr"], ["search=mlp_lr is a hyperparameter search: add -m"]),
+    # a search's space is one model's: another would train as a mix of both configs
+    (["-m", "search=mlp_lr", "model=resnet18"], ["search=mlp_lr searches settings of model=mlp; drop model=resnet18"]),
+    (["-m", "search=mlp_lr", "hydra.sweeper.direction=up"], ["hydra.sweeper.direction=up is invalid: it must be "
+                                                             "maximize or minimize"]),
+    (["trainer=foo"], ["trainer is a section of settings, not a setting", "trainer.epochs="]),
     # a setting of another option of the group: which option has it, not "did you mean" itself
     (["optim.momentum=0.9"], ["optim.momentum is not a setting of the chosen optim; optim=sgd has it"]),
     (["model=resnet18", "model.hidden_sizes=[3]"], ["model.hidden_sizes is not a setting of the chosen model; "
@@ -226,6 +236,14 @@ def test_bad_overrides_exit_with_one_line_before_any_run_folder(tmp_path, args, 
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert all(name in lines[0] for name in names)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_under_torchrun_a_bad_setting_is_said_by_rank_0_alone(tmp_path):
+    for rank, said in (("0", True), ("1", False)):
+        result = subprocess.run([sys.executable, str(REPO / "train.py"), "model=resnet19"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300, env={**os.environ, "RANK": rank})
+        assert result.returncode == 2
+        assert ("error: model=resnet19 is not an option" in result.stderr) == said, result.stderr
 
 
 def test_the_linear_layers_share_of_the_flops_says_what_a_swap_covers():

@@ -11,7 +11,9 @@ import hashlib
 import inspect
 import itertools
 import math
+import os
 import re
+import shlex
 import shutil
 import sys
 from datetime import datetime
@@ -103,6 +105,16 @@ def check_command_line(argv):
         fail(" ".join(str(error).split()))
     for override in overrides:
         key = override.get_key_element().lstrip("+~")
+        if override.is_sweep_override() and not flags:  # Hydra: "Ambiguous value for argument", in six lines
+            fail(f"{override.input_line} is a sweep: add -m (python train.py -m {shlex.join(arguments)})")
+        if key == "search" and not flags:  # without -m, the search's config would train one default run
+            fail(f"search={override.value()} is a hyperparameter search: add -m "
+                 f"(python train.py -m {shlex.join(arguments)})")
+        if (key in config_keys() and isinstance(config_keys()[key], dict) and not (CONF_DIR / key).is_dir()
+                and not isinstance(override.value(), dict)):
+            example = next(iter(config_keys()[key]))  # trainer=foo: the section replaced by a string
+            fail(f"{key} is a section of settings, not a setting: set its keys, e.g. {key}.{example}=... "
+                 "(python train.py --cfg job lists them)")
         if key == "hydra/launcher" and str(override.value()) in SLURM_LAUNCHERS and not shutil.which("sbatch"):
             # the submitit plugin would fail only once it submits, in a long traceback
             fail(f"hydra/launcher={override.value()} submits to a SLURM cluster, and sbatch is not on this "
@@ -121,6 +133,7 @@ def check_command_line(argv):
             jobs.append([f"{key}={value}" for value in override.sweep_string_iterator()])
         elif not override.is_sweep_override():
             jobs.append([override.input_line])
+    check_search_model(overrides)
     for job_overrides in itertools.product(*jobs):
         try:
             validate(load_config(job_overrides))
@@ -142,6 +155,20 @@ def check_command_line(argv):
                 fail(f"{key}={value} cannot be made ({error.strerror}); give a folder that can be written")
 
 
+def check_search_model(overrides):
+    """A search's space belongs to one model (conf/search/<name>.yaml sets model.name): another model= would
+    be trained as a mix of both configs, under the search's model's name."""
+    chosen = {override.get_key_element().lstrip("+~"): override for override in overrides}
+    if "search" not in chosen or "model" not in chosen or chosen["search"].is_sweep_override():
+        return
+    search = chosen["search"].value()
+    searched = OmegaConf.select(OmegaConf.load(CONF_DIR / "search" / f"{search}.yaml"), "model.name")
+    models_asked = (list(chosen["model"].sweep_string_iterator()) if chosen["model"].is_choice_sweep()
+                    else [str(chosen["model"].value())])
+    if searched is not None and any(model != searched for model in models_asked):
+        fail(f"search={search} searches settings of model={searched}; drop {chosen['model'].input_line}")
+
+
 def check_search_direction(job_overrides):
     """A search (hydra/sweeper=optuna) must go the way its trainer.objective improves: the sweeper takes either
     direction without a word, and one going the wrong way reports the worst trial as the best."""
@@ -152,6 +179,9 @@ def check_search_direction(job_overrides):
     if not isinstance(direction, str) or objective not in summary.OBJECTIVES:  # no search, or several objectives
         return
     wanted = summary.OBJECTIVES[objective]
+    if direction.lower() not in ("maximize", "minimize"):
+        fail(f"hydra.sweeper.direction={direction} is invalid: it must be maximize or minimize "
+             f"({wanted} for trainer.objective={objective})")
     if direction.lower() != wanted:
         fail(f"hydra.sweeper.direction={direction} would search for the worst trainer.objective={objective}, "
              f"which improves as it {'falls' if wanted == 'minimize' else 'rises'}; "
@@ -380,5 +410,7 @@ def resume_arguments(argv):
 
 
 def fail(message, exit_code=2):
-    print(f"error: {message}", file=sys.stderr)
+    # A bad setting is every torchrun process's: rank 0 alone says so. Other failures may be one rank's own.
+    if exit_code != 2 or os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
     sys.exit(exit_code)
