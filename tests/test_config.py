@@ -173,6 +173,8 @@ def test_adamws_betas_eps_and_amsgrad_are_settings_that_reach_the_optimizer():
 
 
 def test_a_sweep_may_evaluate_a_checkpoint_but_not_resume_it(tmp_path):
+    (tmp_path / ".hydra").mkdir()  # a run's folder, with its checkpoint
+    (tmp_path / "last.pt").write_bytes(b"")
     arguments = config.resume_arguments(["-m", "trainer.eval_only=True", f"trainer.resume={tmp_path}", "linear=torch,custom"])
     assert f"trainer.resume='{tmp_path}'" in arguments  # evaluating under -m: accepted
     with pytest.raises(SystemExit):  # resuming under -m: each job would continue the same run (main's test: the line)

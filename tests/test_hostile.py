@@ -4,6 +4,7 @@ import errno
 import io
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,9 +29,9 @@ def good_run(tmp_path_factory):
     return run_dir
 
 
-def assert_one_line_error(result, *phrases):
+def assert_one_line_error(result, *phrases, exit_code=1):
     lines = error_lines(result)
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == exit_code, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert all(phrase in lines[0] for phrase in phrases), lines[0]
     assert "Traceback" not in result.stdout + result.stderr
@@ -148,13 +149,16 @@ def test_truncated_checkpoint_is_refused_in_one_line(tmp_path, good_run):
 
 
 @pytest.mark.parametrize("write, message", [
-    (lambda path: path.write_bytes(os.urandom(4096)), "is truncated or corrupt"),
+    (lambda path: path.write_bytes(os.urandom(4096)), "is not a checkpoint (not a file torch.save wrote)"),
+    (lambda path: path.write_text("# README\n"), "is not a checkpoint (not a file torch.save wrote)"),
     (lambda path: torch.save({"weights": torch.zeros(3)}, path), "is not a linear-lab checkpoint (no epoch"),
-    (lambda path: torch.save({"epoch": shutil.rmtree}, path), "is truncated or corrupt"),  # code, not data
+    (lambda path: torch.save({"epoch": shutil.rmtree}, path),  # code, not data
+     "is not a linear-lab checkpoint: it holds Python objects that torch.load(weights_only=True) refuses to run"),
+    (lambda path: path.write_bytes(b"PK\x03\x04" + os.urandom(4096)), "is truncated or corrupt"),
 ])
 def test_unusable_checkpoint_files_are_named(tmp_path, write, message):
     write(tmp_path / "some.pt")
-    with pytest.raises(checkpoint.CheckpointError, match=message.replace("(", r"\(")):
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(message)):
         checkpoint.load(tmp_path / "some.pt")
 
 
@@ -172,7 +176,7 @@ def test_checkpoint_of_another_model_lists_mismatched_keys(tmp_path, good_run):
 
 def test_missing_checkpoint_path_fails_before_any_folder_exists(tmp_path):
     result = train_command([f"trainer.resume={tmp_path / 'no_such_run'}"], tmp_path)
-    assert_one_line_error(result, f"trainer.resume={tmp_path / 'no_such_run'}: no such file or folder")
+    assert_one_line_error(result, f"trainer.resume={tmp_path / 'no_such_run'}: no such file or folder", exit_code=2)
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "no_such_run").exists()
 
 
@@ -275,7 +279,14 @@ def test_a_truncated_checkpoints_traceback_is_in_the_runs_train_log(tmp_path, go
     assert "Traceback" in (run_dir / "train.log").read_text()
 
 
+def test_a_folder_that_is_no_run_says_so_and_what_to_do(tmp_path):
+    result = train_command([f"trainer.resume={tmp_path}"], tmp_path)
+    assert_one_line_error(result, f"trainer.resume={tmp_path} is not a run folder (it has no .hydra/)",
+                          "give a run's folder", exit_code=2)
+
+
 def test_a_folder_with_no_checkpoint_says_so_and_what_to_do(tmp_path):
+    (tmp_path / ".hydra").mkdir()  # a run's folder
     (tmp_path / "last.pt.tmp").write_bytes(b"cut short by a kill during the first save")
     with pytest.raises(checkpoint.CheckpointError, match=r"^no last.pt in .*: the run ended before its first "
                                                          r"checkpoint was written; start the run again$"):

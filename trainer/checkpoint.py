@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 LAST_NAME = "last.pt"  # written after every epoch
 BEST_NAME = "best.pt"  # written when val/acc improves
+ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins (a zip archive)
 REQUIRED_KEYS = ("epoch", "global_step", "model", "optimizer", "scheduler", "rng", "config", "best_val_acc",
                  "epoch_times_s", "history")
 # Tags renamed since a checkpoint may have been written, so that its history reads as today's.
@@ -178,6 +179,9 @@ def find(path):
     """The checkpoint file for `path`: the file itself, or a run folder's last.pt."""
     path = Path(path).expanduser()
     if path.is_dir():
+        if not (path / LAST_NAME).is_file() and not (path / ".hydra").is_dir():
+            raise CheckpointError(f"trainer.resume={path} is not a run folder (it has no .hydra/); give a run's "
+                                  f"folder (outputs/runs/<date>/<time>_<name>) or a .pt file")
         path = path / LAST_NAME
         if not path.is_file():
             raise CheckpointError(f"no {LAST_NAME} in {path.parent}: the run ended before its first checkpoint was "
@@ -196,9 +200,16 @@ def load(path):
         >>> state["epoch"], state["config"]["model"]["name"]
     """
     path = find(path)
+    with open(path, "rb") as file:
+        if file.read(4) != ZIP_MAGIC:
+            raise CheckpointError(f"{path} is not a checkpoint (not a file torch.save wrote); give a run folder or "
+                                  f"its {LAST_NAME} or {BEST_NAME}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated zip, random bytes, pickled code...: all mean "unusable"
+    except Exception as error:
+        if "Weights only load failed" in str(error):  # a torch.save file holding code: not ours (and unsafe)
+            raise CheckpointError(f"{path} is not a linear-lab checkpoint: it holds Python objects that "
+                                  "torch.load(weights_only=True) refuses to run") from error
         reason = " ".join(str(error).split())[:200]
         raise CheckpointError(
             f"{path} is truncated or corrupt ({reason}); resume from another checkpoint (best.pt, an older run)"

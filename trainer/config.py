@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import data
 import models
-from trainer import summary
+from trainer import checkpoint, summary
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -400,8 +400,10 @@ def resume_arguments(argv):
                 fail("trainer.resume continues one run in its own folder, which a sweep's jobs would share; drop -m "
                      "(or evaluate it: trainer.eval_only=true)")
             path = Path(value.strip("'\"")).expanduser().absolute()
-            if not path.exists():
-                fail(f"trainer.resume={value}: no such file or folder; give a run folder or a .pt file", 1)
+            try:  # no such path, or a folder that is no run's: fails here, before Hydra writes into it
+                checkpoint.find(path)
+            except checkpoint.CheckpointError as error:
+                fail(str(error))
             run_dir = path if path.is_dir() else path.parent
             argument = f"{key}={hydra_quoted(path)}"
             arguments += [f"hydra.run.dir={hydra_quoted(run_dir)}", "hydra.output_subdir=null"]
