@@ -384,8 +384,8 @@ def summarize_sweep(sweep_dir, rows=None):
 def write_speedup_curves(sweep_dir, pairs, conv_pairs=()):
     """For TensorBoard: each pair's speedup of custom over torch, epoch by epoch with its 95% interval, as a
     run of its own in the sweep folder (rewritten whole each time): speedup/<custom job> for a linear pair,
-    speedup/conv_<custom job> for a conv pair. Only the epochs the summary's ratio uses: none that warmed a
-    process up, none with too few steps for an interval (timing.MIN_TIMED_STEPS)."""
+    speedup/conv_<custom job> for a conv pair. Only epochs the summary's ratio uses and its verdict could
+    judge: none that warmed a process up, none too short to time (timing.MIN_TIMED_STEPS and MIN_TIMED_S)."""
     folder = Path(sweep_dir) / SPEEDUP_RUNS
     shutil.rmtree(folder, ignore_errors=True)
     for prefix, group_pairs in (("", pairs), ("conv_", conv_pairs)):
@@ -393,7 +393,7 @@ def write_speedup_curves(sweep_dir, pairs, conv_pairs=()):
             if STEP_TIMES_KEY not in torch_row or STEP_TIMES_KEY not in custom_row:
                 continue
             points = list(epoch_speedups(torch_row, custom_row))
-            if not points:  # no epoch long enough for an interval: no curve
+            if not points:  # no epoch long enough to time: no curve
                 continue
             with SummaryWriter(folder / f"{prefix}{custom_row['job']}") as writer:
                 for epoch, ratio in points:
@@ -414,7 +414,7 @@ def epoch_speedups(torch_row, custom_row):
     epochs = zip(torch_row[STEP_TIMES_KEY][-count:], custom_row[STEP_TIMES_KEY][-count:])
     for epoch, (torch_steps, custom_steps) in enumerate(epochs, first_epoch):
         ratio = timing.speedup(torch_steps, custom_steps, sequential=True)
-        if epoch not in warm_ups and ratio is not None and ratio.steps >= timing.MIN_TIMED_STEPS:
+        if epoch not in warm_ups and ratio is not None and ratio.is_timed:
             yield epoch, ratio
 
 

@@ -135,6 +135,11 @@ class Speedup:
         """Enough steps a side for the bootstrap's interval to mean anything (MIN_TIMED_STEPS)."""
         return self.steps >= MIN_TIMED_STEPS
 
+    @property
+    def is_timed(self):
+        """Enough steps and enough timed work a side for the verdict to judge the ratio (not "too ... to time")."""
+        return self.has_interval and self.timed_s >= MIN_TIMED_S
+
     def interval_text(self):
         return f"{self.low:.2f}-{self.high:.2f}" if self.has_interval else "-"
 
