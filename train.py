@@ -244,7 +244,7 @@ def fit(cfg, run_dir):
             write_scalars(writer, {"time/epoch_s_mean": epoch_s_mean}, cfg.trainer.epochs)
             write_hparams(writer, cfg, device, num_params, flop_share, overridden, conv_share)
             summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share, warmup_epochs,
-                                      conv_share)
+                                      conv_share, device.type, settings.autocast_dtype)
     return val_acc
 
 

@@ -211,6 +211,8 @@ def test_amp_trains_the_custom_mlp_under_autocast_as_well_as_the_plain_run(tmp_p
                             tmp_path)
     assert abs(val_acc - plain_val_acc) <= 0.02
     assert seen and all(call.autocast and call.output == torch.float32 for call in seen)  # our op: float32 on CPU
+    run_summary = summary.read_run_summary(tmp_path)  # the sweep summary's note on precisions reads these
+    assert run_summary["device"] == "cpu" and run_summary["autocast"] == "bfloat16"
 
 
 def test_compile_trains_the_custom_mlp_compiled_as_well_as_the_plain_run(tmp_path, plain_val_acc):

@@ -98,6 +98,7 @@ def test_run_summary_keeps_every_step_time_and_the_flop_share(digits_runs):
     # the steps account for the epoch (the epoch's own time adds only the loop around them)
     assert sum(run_summary["time/step_s"][-1]) == pytest.approx(run_summary["time/epoch_s"], rel=0.2)
     assert run_summary["linear_flop_share"] == 1.0
+    assert run_summary["device"] == "cpu" and run_summary["autocast"] is None  # where it ran, for the sweep's notes
 
 
 def test_train_log_has_one_line_per_epoch_and_a_summary(digits_runs):

@@ -74,10 +74,11 @@ def write_text_atomic(path, text):
 
 
 def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_flop_share=None, warmup_epochs=(0,),
-                      conv_flop_share=None):
+                      conv_flop_share=None, device_type=None, autocast_dtype=None):
     """summary.json for a finished run, from its per-epoch metrics (a list of {tag: value}, one per epoch),
     each epoch's step times (a list of lists, for the interval around a speed ratio) with the epochs that
-    warmed a process up, and the shares of the network's FLOPs in its linear layers and its convolutions.
+    warmed a process up, the shares of the network's FLOPs in its linear layers and its convolutions, and
+    where it ran: the device type and the autocast dtype (None: none).
 
     Example:
         >>> write_run_summary("outputs/try", [{"val/acc": 0.9, "time/epoch_s": 0.5, ...}], 200_000)
@@ -97,6 +98,9 @@ def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_fl
         summary["linear_flop_share"] = linear_flop_share
     if conv_flop_share is not None:
         summary["conv_flop_share"] = conv_flop_share
+    if device_type is not None:
+        summary["device"] = device_type
+        summary["autocast"] = None if autocast_dtype is None else str(autocast_dtype).removeprefix("torch.")
     if step_times_s is not None:
         summary[STEP_TIMES_KEY] = step_times_s
         summary[WARMUP_EPOCHS_KEY] = list(warmup_epochs)
@@ -361,7 +365,17 @@ def to_markdown(sweep_dir, rows, pairs, conv_pairs=()):
         )
         text += (f"\n## conv=custom vs conv=torch (mean step time ratios)\n\n{comparisons}\n\n"
                  "The interval is computed as for the linear pairs above, with the same caveat.\n")
+    mixed = {custom["job"]: torch_row["autocast"] for torch_row, custom in [*pairs, *conv_pairs]
+             if on_cpu_under_autocast(torch_row) and on_cpu_under_autocast(custom)}
+    if mixed:
+        text += (f"\nUnder trainer.amp on the CPU torch's layers compute in {' or '.join(sorted(set(mixed.values())))}"
+                 " and ours in float32 (ext has no 16-bit CPU kernels): the speed and accuracy of these pairs "
+                 f"compare precisions as well as kernels: {', '.join(mixed)}.\n")
     return text
+
+
+def on_cpu_under_autocast(row):
+    return row.get("device") == "cpu" and row.get("autocast") is not None
 
 
 def summarize_sweep(sweep_dir, rows=None):
