@@ -69,10 +69,13 @@ def main(cfg: DictConfig) -> float:
     try:
         validate(cfg)
         torch.set_num_threads(threads_per_process(cfg.trainer.threads))
+        sweep_job = HydraConfig.get().mode == RunMode.MULTIRUN
         if cfg.trainer.resume:
-            cfg, run_dir = resumed_run(cfg)
+            cfg, resumed_dir = resumed_run(cfg)
+            if not sweep_job:  # a run continues (or is evaluated) in its own folder; a sweep's job in the job's
+                run_dir = resumed_dir
         if cfg.trainer.eval_only:
-            return evaluate_checkpoint(cfg, run_dir)
+            return evaluate_checkpoint(cfg, run_dir, record=sweep_job)
         fit(cfg, run_dir)
         if world()[0] > 0:
             return None  # rank 0 reports the run
@@ -359,9 +362,10 @@ def evaluate(model, loader, device, settings=None):
     return loss_sum / num_samples, correct / num_samples
 
 
-def evaluate_checkpoint(cfg, run_dir):
+def evaluate_checkpoint(cfg, run_dir, record=False):
     """Evaluate the checkpoint at cfg.trainer.resume on the validation set, log loss and accuracy to the
-    terminal and `run_dir`/train.log, and return the accuracy. Trains nothing.
+    terminal and `run_dir`/train.log, and return the accuracy. Trains nothing. With `record` (a sweep's job)
+    the figures also go to `run_dir`/summary.json, for the sweep summary.
 
     Example:
         >>> run = "outputs/runs/..."
@@ -378,6 +382,8 @@ def evaluate_checkpoint(cfg, run_dir):
         val_loss, val_acc = evaluate(model, val_loader, device)
         log.info(f"eval: val loss {val_loss:.4f} acc {val_acc:.2%} | epoch {state['epoch']} of {path} | "
                  f"linear={cfg.linear.name} conv={cfg.conv.name}")
+    if record and world()[0] == 0:
+        summary.write_eval_summary(run_dir, val_loss, val_acc, path, state["epoch"])
     return val_acc
 
 

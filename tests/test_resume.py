@@ -460,6 +460,26 @@ def test_eval_only_writes_nothing_but_train_log(tmp_path, reference):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_sweep_of_evaluations_records_each_in_its_job_folder_and_compares_them(tmp_path, reference):
+    def files():
+        return {path: path.stat().st_mtime_ns for path in reference.rglob("*") if path.is_file()}
+
+    before, sweep_dir = files(), tmp_path / "sweep"
+    result = train_command(["-m", "trainer.eval_only=true", f"trainer.resume={reference / 'best.pt'}",
+                            "linear=torch,custom", f"hydra.sweep.dir={sweep_dir}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert files() == before  # the evaluated run's folder is left as it was, train.log too
+    printed = [float(acc) / 100 for acc in re.findall(r"eval: val loss \S+ acc (\S+)%", result.stdout)]
+    rows = summary.job_rows(sweep_dir)
+    assert [row["linear"] for row in rows] == ["torch", "custom"] and len(printed) == 2
+    for row, acc in zip(rows, printed, strict=True):
+        assert "error" not in row and row["val/acc"] == pytest.approx(acc, abs=5e-5)
+        assert row[summary.EVALUATED_KEY] == str((reference / "best.pt").resolve())
+        assert "eval: val loss" in (sweep_dir / row["job"] / "train.log").read_text()
+    markdown = (sweep_dir / summary.MARKDOWN_NAME).read_text()
+    assert "2 jobs\n" in markdown and "| evaluations of a checkpoint: nothing timed |" in markdown
+
+
 def test_a_new_run_in_a_used_folder_first_sets_the_earlier_runs_results_aside(tmp_path, monkeypatch):
     # a sweep run again into its hydra.sweep.dir, or a job rerun by hand, starts in a folder an earlier run filled
     train.fit(config.load_config(["trainer.epochs=1"]), tmp_path)

@@ -300,7 +300,7 @@ def test_summaries_written_before_step_times_were_recorded_still_summarise(tmp_p
     assert "| (none) | - | - | no step times recorded (a summary from an older version) | - | +0.00 points |" in markdown
     with open(tmp_path / "summary.csv") as file:
         rows = list(csv.DictReader(file))
-    assert rows[1]["speedup_vs_torch"] == "" and rows[1]["verdict"] == "no step times recorded"
+    assert rows[1]["speedup_vs_torch"] == "" and rows[1]["verdict"] == "no step times recorded (a summary from an older version)"
 
 
 def test_python_m_trainer_summary_rewrites_a_killed_sweeps_summary(tmp_path):

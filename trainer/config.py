@@ -386,7 +386,8 @@ def hydra_quoted(path):
 
 
 def resume_arguments(argv):
-    """The command line with trainer.resume=<path> made safe for Hydra, continuing in the run's own folder.
+    """The command line with trainer.resume=<path> made safe for Hydra, continuing in the run's own folder
+    (a sweep evaluating the checkpoint: in its job folders).
 
     Hydra then writes into that folder rather than a new one, and leaves its .hydra/ (the config the run
     started with) as it is. A path that does not exist fails here, before Hydra creates any folder.
@@ -406,7 +407,8 @@ def resume_arguments(argv):
                 fail(str(error))
             run_dir = path if path.is_dir() else path.parent
             argument = f"{key}={hydra_quoted(path)}"
-            arguments += [f"hydra.run.dir={hydra_quoted(run_dir)}", "hydra.output_subdir=null"]
+            if not {"-m", "--multirun"} & set(argv):  # a sweep's evaluations go to job folders of their own
+                arguments += [f"hydra.run.dir={hydra_quoted(run_dir)}", "hydra.output_subdir=null"]
         arguments.append(argument)
     return arguments
 

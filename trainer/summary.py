@@ -48,6 +48,7 @@ OBJECTIVES = {
     "time/train_samples_per_s_mean": "maximize",
 }
 # (column, key in summary.json or job row, format for summary.md)
+EVALUATED_KEY = "evaluated"  # in an evaluation's summary.json: the checkpoint it evaluated
 JOB_COLUMNS = (
     ("job", "job", "{}"),
     ("overrides", "overrides", "{}"),
@@ -106,6 +107,13 @@ def write_run_summary(run_dir, history, num_params, step_times_s=None, linear_fl
         summary[WARMUP_EPOCHS_KEY] = list(warmup_epochs)
     write_text_atomic(Path(run_dir) / RUN_SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def write_eval_summary(run_dir, val_loss, val_acc, checkpoint_path, epoch):
+    """summary.json for a sweep's job that evaluated a checkpoint (trainer.eval_only): its validation figures
+    and which checkpoint, at which epoch, they are of."""
+    summary = {"val/loss": val_loss, "val/acc": val_acc, EVALUATED_KEY: str(checkpoint_path), "epochs": epoch}
+    write_text_atomic(Path(run_dir) / RUN_SUMMARY_NAME, json.dumps(summary, indent=1) + "\n")
 
 
 def read_run_summary(run_dir):
@@ -291,7 +299,7 @@ def pair_csv_cells(pair, group):
         return [""] * len(PAIR_CSV_COLUMNS[group])
     ratio = speedup(*pair)
     if ratio is None:
-        cells = ["", "", "", "no step times recorded"]
+        cells = ["", "", "", untimed_reason(*pair)]
     else:  # no interval from too few steps: empty cells, not a point
         bounds = [f"{ratio.low:.4f}", f"{ratio.high:.4f}"] if ratio.has_interval else ["", ""]
         cells = [f"{ratio.value:.4f}", *bounds, ratio.verdict]
@@ -320,10 +328,17 @@ def markdown_table(header, lines):
     )
 
 
+def untimed_reason(torch_row, custom_row):
+    """Why a pair has no speed ratio (speedup gave None)."""
+    if EVALUATED_KEY in torch_row or EVALUATED_KEY in custom_row:
+        return "evaluations of a checkpoint: nothing timed"
+    return "no step times recorded (a summary from an older version)"
+
+
 def comparison_cells(torch_row, custom_row, group="linear"):
     ratio = speedup(torch_row, custom_row)
     figures = [f"{ratio.value:.2f}x", ratio.interval_text(), ratio.verdict] if ratio else [
-        "-", "-", "no step times recorded (a summary from an older version)"]
+        "-", "-", untimed_reason(torch_row, custom_row)]
     return [others_text(custom_row["override_list"], group), *figures, coverage_note(custom_row, group),
             f"{val_acc_diff_points(torch_row, custom_row):+.2f} points"]
 
