@@ -154,11 +154,12 @@ def fit(cfg, run_dir):
             log.info(f"this folder held an earlier run: its results are now in {earlier}")
         log.info(f"loading {cfg.data.name} ...")
         loading_started_s = time.perf_counter()
-        dataset = read_dataset(cfg.data)  # before the events file: a missing dataset leaves no empty run behind
+        dataset = read_dataset(cfg.data)  # before the events file, as the build: a missing dataset or a refused
+        # batch size leaves no empty run behind
         log.info(f"data: {describe_data(cfg.data.name, dataset)} ({time.perf_counter() - loading_started_s:.1f} s)")
+        model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
         purge_step = first_epoch if resumed else None
         writer = closing.enter_context(tensorboard_writer(run_dir, purge_step)) if is_main else None
-        model, optimizer, scheduler, train_loader, val_loader = build_training(cfg, dataset, device)
         step_model = training_module(model, cfg, device)
         settings = step_settings(cfg, device)
         num_params = sum(parameter.numel() for parameter in model.parameters())

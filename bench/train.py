@@ -68,7 +68,10 @@ def main(argv=None):
     runs = {}
     for side, cfg in configs.items():
         # the trainer's own code paths: channels_last, torch.compile, DDP wrapping and the AMP settings
-        model, optimizer, _, train_loader, _ = build.build_training(cfg, dataset, device)
+        try:
+            model, optimizer, _, train_loader, _ = build.build_training(cfg, dataset, device)
+        except config.ConfigError as error:  # a batch size too small for BatchNorm: one line, as with train.py
+            config.fail(str(error))
         settings = build.step_settings(cfg, device)
         runs[side] = build.training_module(model, cfg, device), train_loader, optimizer, settings
 

@@ -209,3 +209,32 @@ def test_in_memory_loader_yields_the_rows_and_labels_of_its_batches_in_a_seeded_
     assert sorted(seen.tolist()) == labels.tolist()  # each sample once an epoch
     for (x, y), (x2, y2) in zip(first, second):
         assert torch.equal(x, images[y // 10]) and torch.equal(x, x2) and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("num_samples, batch_size, min_last_batch, sizes", [
+    (1438, 479, 1, [479, 479, 479, 1]),  # as cut: validation, and training a model without BatchNorm
+    (1438, 479, 2, [479, 479, 480]),  # digits at batch 479 for a ResNet: the last sample joins the batch before
+    (1439, 479, 2, [479, 479, 479, 2]),  # a last batch big enough stays
+    (10, 4, 4, [4, 6]),  # 2 CPU processes of a ResNet: a last batch of 2 would give each 1 sample
+    (1, 8, 2, [1]),  # one batch has none before it to join (build refuses it for BatchNorm)
+    (4, 1, 2, [1, 1, 1, 1]),  # no smaller last batch (build refuses batch 1 for BatchNorm)
+])
+def test_a_last_batch_smaller_than_min_last_batch_joins_the_one_before(num_samples, batch_size, min_last_batch, sizes):
+    batches = [index.tolist() for index in data.loaders.batch_indices(
+        num_samples, batch_size, False, None, min_last_batch=min_last_batch)]
+    assert [len(batch) for batch in batches] == sizes
+    assert sum(batches, []) == list(range(num_samples))  # every sample once, in order
+    assert data.loaders.batch_count(num_samples, batch_size, min_last_batch) == len(sizes)
+    shards = [[index.tolist() for index in data.loaders.batch_indices(
+        num_samples, batch_size, False, None, rank, 2, min_last_batch=min_last_batch)] for rank in (0, 1)]
+    assert [shards[0][step] + shards[1][step] for step in range(len(sizes))] == \
+        [batch[0::2] + batch[1::2] for batch in batches]  # the processes share the same batches
+
+
+@pytest.mark.parametrize("kind", data.LOADER_KINDS)
+def test_both_loaders_join_a_small_last_batch_and_count_it(kind):
+    images, labels = torch.arange(9.0).view(9, 1, 1, 1), torch.arange(9)
+    loader = data.make_loader(images, labels, 4, True, kind, torch.device("cpu"), min_last_batch=2)
+    assert len(loader) == 2 and [len(y) for _, y in loader] == [4, 5]
+    as_cut = data.make_loader(images, labels, 4, True, kind, torch.device("cpu"))
+    assert len(as_cut) == 3 and [len(y) for _, y in as_cut] == [4, 4, 1]

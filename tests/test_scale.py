@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_file_loader import EventFileLoad
 import ext
 import models
 import train
-from trainer import build, config, logs, summary
+from trainer import build, config, distributed, logs, summary
 
 REPO = Path(__file__).resolve().parents[1]
 # SGD with momentum, no dropout (the default MLP): a run whose weights two processes must reproduce exactly.
@@ -318,3 +318,112 @@ def test_deterministic_runs_seed_every_generator_and_give_identical_weights(tmp_
         torch.use_deterministic_algorithms(False)
     first, second = final_weights(tmp_path / "first"), final_weights(tmp_path / "second")
     assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+@pytest.fixture
+def processes(monkeypatch):
+    """Makes the trainer see itself as one of `count` torchrun processes."""
+    def set_count(count):
+        for module in (build, distributed):
+            monkeypatch.setattr(module, "world", lambda: (0, count))
+    return set_count
+
+
+@pytest.mark.parametrize("loader", ["memory", "dataloader"])
+def test_a_resnet_trains_a_last_batch_of_one_sample_within_the_batch_before(tmp_path, loader):
+    # 17 images at batch 16: a last batch of 1, which BatchNorm at the 8x8 images' 1x1 map cannot train on
+    overrides = [*RESNET_RUN, "data.train_size=17", "data.val_size=17", f"data.loader={loader}"]
+    train.fit(config.load_config(overrides), tmp_path)
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["global_step"] == 1  # one step of 17
+    assert "val loss" in (tmp_path / "train.log").read_text()  # validation's batch of 1 ran in eval mode
+
+
+@pytest.mark.parametrize("model, count, device, smallest", [
+    ("mlp", 1, "cpu", 1), ("mlp", 2, "cpu", 1),  # no BatchNorm: batches as cut
+    ("resnet18", 1, "cpu", 2), ("resnet18", 2, "cuda", 2),  # one BatchNorm over the whole batch (SyncBatchNorm)
+    ("resnet18", 2, "cpu", 4), ("resnet18", 3, "cpu", 6),  # each CPU process normalizes its own share
+])
+def test_batchnorm_gets_two_samples_a_step_wherever_it_normalizes(processes, model, count, device, smallest):
+    processes(count)
+    cfg = config.load_config([*RESNET_RUN, f"model={model}"])
+    network = build.make_model(cfg, build.read_dataset(cfg.data), torch.device("cpu"))
+    assert build.min_training_batch(network, torch.device(device)) == smallest
+
+
+@pytest.mark.parametrize("count, overrides, message", [
+    (1, ["data.batch_size=1"], "data.batch_size=1 is too small: model=resnet18's BatchNorm needs 2 samples a step; "
+                               "set data.batch_size to 2 or more"),
+    (2, ["data.batch_size=3"], "data.batch_size=3 is too small: model=resnet18's BatchNorm needs 2 samples a step "
+                               "on each of the 2 processes (on CPUs each normalizes its own share); set "
+                               "data.batch_size to 4 or more"),
+    (2, ["data.train_size=3"], "3 training samples are too few: model=resnet18's BatchNorm needs 2 samples a step "
+                               "on each of the 2 processes (on CPUs each normalizes its own share); use a dataset "
+                               "of 4 or more"),
+])
+def test_a_batch_size_giving_batchnorm_one_sample_every_step_is_refused(processes, count, overrides, message):
+    processes(count)
+    cfg = config.load_config([*RESNET_RUN, *overrides])
+    with pytest.raises(config.ConfigError, match=f"^{re.escape(message)}$"):
+        build.build_training(cfg, build.read_dataset(cfg.data), torch.device("cpu"))
+
+
+def test_a_batch_size_of_one_is_refused_in_one_line_before_training_and_left_to_models_without_batchnorm(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *RESNET_RUN, "data.batch_size=1"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: data.batch_size=1 is too small: model=resnet18's BatchNorm needs 2 samples a step; "
+        "set data.batch_size to 2 or more"]
+    assert not list(tmp_path.glob("outputs/runs/*/*/events.out.tfevents.*"))  # no empty TensorBoard run
+    train.fit(config.load_config(["data.batch_size=1", "data.val_fraction=0.99"]), tmp_path / "mlp")  # 17 steps
+
+
+def test_torchrun_on_gpus_syncs_batchnorm_keeping_the_parameters_the_keys_and_our_layers(processes, monkeypatch):
+    processes(2)
+    monkeypatch.setattr(build, "DistributedDataParallel", lambda module, device_ids: module)  # no process group
+    cfg = config.load_config([*RESNET_RUN, "conv=custom", "linear=custom"])
+    dataset = build.read_dataset(cfg.data)
+    model = build.make_model(cfg, dataset, torch.device("cpu"))
+    parameters, keys = list(model.parameters()), list(model.state_dict())
+    assert build.training_module(model, cfg, torch.device("cuda")) is model
+    norms = [module for module in model.modules() if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)]
+    assert len(norms) == 20 and all(type(module) is torch.nn.SyncBatchNorm for module in norms)
+    assert all(a is b for a, b in zip(model.parameters(), parameters, strict=True))  # the optimizer's still
+    assert list(model.state_dict()) == keys  # checkpoints load either way, into one process or many
+    single = build.make_model(cfg, dataset, torch.device("cpu"))
+    single.load_state_dict(model.state_dict())
+    model.load_state_dict(single.state_dict())
+    assert any(isinstance(module, ext.Conv2d) for module in model.modules())  # conv=custom and linear=custom
+    assert any(isinstance(module, ext.Linear) for module in model.modules())
+    processes(2)
+    assert not distributed.syncs_batchnorm(torch.device("cpu"))  # torch's SyncBatchNorm takes GPU tensors only
+    processes(1)
+    assert not distributed.syncs_batchnorm(torch.device("cuda"))
+
+
+def test_torchrun_on_cpus_trains_a_resnet_whose_last_batch_would_give_each_process_one_sample(tmp_path):
+    # 18 images at batch 8 on 2 processes: a last batch of 2, one sample each, which each CPU process's own
+    # BatchNorm (at the 8x8 images' 1x1 map) cannot train on; it joins the batch before: 2 steps, of 8 and 10
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+         *RESNET_RUN, "data.train_size=18", "data.batch_size=8", "trainer.threads=1"], cwd=tmp_path)
+    (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
+    assert torch.load(run_dir / "last.pt", weights_only=True)["global_step"] == 2
+    assert "2 processes (gloo)" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_torchrun_on_gpus_trains_a_resnet_as_one_process_does(tmp_path):
+    # SyncBatchNorm: each step's BatchNorm normalizes the whole batch, not each process's share
+    overrides = [*RESNET_RUN, "optim=sgd", "trainer.device=cuda", "data.batch_size=8", "trainer.deterministic=true"]
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+         *overrides], cwd=tmp_path)
+    (run_dir,) = (tmp_path / "outputs" / "runs").glob("*/*")
+    assert "2 processes (nccl)" in (run_dir / "train.log").read_text()
+    single_dir = tmp_path / "single"
+    run([sys.executable, str(REPO / "train.py"), *overrides, f"hydra.run.dir={single_dir}"], cwd=tmp_path)
+    distributed_weights, single = final_weights(run_dir), final_weights(single_dir)
+    assert distributed_weights.keys() == single.keys()
+    for key in single:
+        torch.testing.assert_close(distributed_weights[key], single[key], rtol=1e-4, atol=1e-5, msg=key)
+    ddp_summary, single_summary = summary.read_run_summary(run_dir), summary.read_run_summary(single_dir)
+    for tag in ("train/loss", "val/loss"):
+        assert ddp_summary[tag] == pytest.approx(single_summary[tag], rel=1e-4), tag

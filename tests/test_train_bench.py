@@ -63,6 +63,8 @@ def test_a_gpu_is_named_with_its_card(monkeypatch):
     (["--threads", "two"], "argument --threads: 'two' is not a positive integer"),
     (["linear.fuse_relu=maybe"], "error: linear.fuse_relu=maybe is invalid: it must be true or false"),
     (["trainer.epoch=3"], "error: trainer.epoch is not a setting; did you mean trainer.epochs?"),
+    (["--train-size", "16", "--batch-size", "1", "model=resnet18"],
+     "error: data.batch_size=1 is too small: model=resnet18's BatchNorm needs 2 samples a step"),
 ])
 def test_a_bad_argument_or_override_is_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -19,7 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import data
 import ext  # builds (or loads the cached) operator now, once, before Hydra launches any job
-from trainer.distributed import world
+from trainer.config import ConfigError
+from trainer.distributed import syncs_batchnorm, world
 
 log = logging.getLogger("train")
 
@@ -55,6 +56,10 @@ def training_module(model, cfg, device):
     trainer.compile. Checkpoints keep saving `model` itself, so their keys do not change."""
     if cfg.trainer.channels_last:
         model.to(memory_format=torch.channels_last)  # in place
+    if syncs_batchnorm(device):
+        # BatchNorm over the whole batch, as one process has it: the same steps. The layers below `model` are
+        # swapped in place and keep their parameters and buffers: the optimizer's, and the checkpoints' keys.
+        nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if world()[1] > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.trainer.compile:
@@ -146,20 +151,46 @@ def read_dataset(data_cfg):
         ) from error
 
 
-def make_loaders(cfg, dataset, device):
+def make_loaders(cfg, dataset, device, min_train_batch=1):
     """(train, val) loaders; only the training one shuffles, in an order set by the seed. Under torchrun
-    each process gets its part of every batch."""
+    each process gets its part of every batch. A last training batch of fewer than `min_train_batch`
+    samples joins the one before it; validation batches stay as cut (BatchNorm in eval mode takes 1 sample)."""
     rank, world_size = world()
     return tuple(
         data.make_loader(
             images, labels, cfg.data.batch_size, shuffle, cfg.data.loader, device, cfg.data.num_workers, cfg.seed,
-            rank, world_size,
+            rank, world_size, min_last_batch,
         )
-        for images, labels, shuffle in (
-            (dataset.train_images, dataset.train_labels, True),
-            (dataset.val_images, dataset.val_labels, False),
+        for images, labels, shuffle, min_last_batch in (
+            (dataset.train_images, dataset.train_labels, True, min_train_batch),
+            (dataset.val_images, dataset.val_labels, False, 1),
         )
     )
+
+
+def min_training_batch(model, device):
+    """The fewest samples a training step may give `model`: 1, but 2 for a model with BatchNorm, which cannot
+    train on one sample (torch raises at a 1x1 map), and 2 per process under torchrun on CPUs, where each
+    process normalizes its own share (trainer.distributed.syncs_batchnorm)."""
+    if not any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        return 1
+    return 2 if syncs_batchnorm(device) else 2 * world()[1]
+
+
+def check_batch_size(cfg, num_samples, min_batch):
+    """Refuse a data.batch_size (or a training set) that would give the model's BatchNorm too few samples in
+    every step: only a last, smaller batch can join the one before it."""
+    if min(cfg.data.batch_size, num_samples) >= min_batch:
+        return
+    processes = world()[1]
+    need = "2 samples a step"
+    if min_batch > 2:
+        need += f" on each of the {processes} processes (on CPUs each normalizes its own share)"
+    if cfg.data.batch_size < min_batch:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} is too small: model={cfg.model.name}'s BatchNorm "
+                          f"needs {need}; set data.batch_size to {min_batch} or more")
+    raise ConfigError(f"{num_samples} training samples are too few: model={cfg.model.name}'s BatchNorm needs {need}; "
+                      f"use a dataset of {min_batch} or more")
 
 
 def network(cfg, dataset):
@@ -236,8 +267,10 @@ def flop_shares(cfg, dataset):
 def build_training(cfg, dataset, device):
     """(model, optimizer, scheduler, train loader, val loader) for `cfg`, all seeded by cfg.seed."""
     torch.manual_seed(cfg.seed)
-    train_loader, val_loader = make_loaders(cfg, dataset, device)
     model = make_model(cfg, dataset, device)
+    min_batch = min_training_batch(model, device)
+    check_batch_size(cfg, len(dataset.train_labels), min_batch)
+    train_loader, val_loader = make_loaders(cfg, dataset, device, min_batch)  # they draw from no global generator
     optimizer = instantiate(cfg.optim, params=model.parameters(), _convert_="all")  # betas as a list, not a ListConfig
     scheduler = instantiate(cfg.sched, optimizer=optimizer)
     return model, optimizer, scheduler, train_loader, val_loader

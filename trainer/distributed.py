@@ -34,6 +34,13 @@ def join_process_group(device):
     return device
 
 
+def syncs_batchnorm(device):
+    """Whether BatchNorm normalizes each step's whole batch across the processes (SyncBatchNorm): under
+    torchrun on GPUs. torch's SyncBatchNorm takes GPU tensors only, so on CPUs each process normalizes its
+    own share of the batch."""
+    return world()[1] > 1 and device.type == "cuda"
+
+
 def torchrun_arguments(argv):
     """Hydra overrides for torchrun's ranks other than 0: no run folder and no console log of their own
     (rank 0 writes the run's folder and prints its log)."""
