@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # Each picture: the dashboard's address, and a text on it that says its data has arrived. The README's shows
-# both runs' epoch times, custom's speedup epoch by epoch and the validation curves, unsmoothed.
+# both runs' epoch times, custom's speedup epoch by epoch (where epochs are long enough to time: not on digits)
+# and the validation curves, unsmoothed.
 VIEWS = {
     "tensorboard.png": ("?tagFilter=%5E%28val%2Facc%7Cval%2Floss%7Ctime%2Fepoch_s%7Ctime%2Fstep_speedup%29%24&smoothing=0#timeseries", "text=time/epoch_s"),
     "tensorboard_scalars.png": ("#scalars", "text=time"),
