@@ -189,8 +189,8 @@ def test_multirun_writes_one_folder_per_job(tmp_path):
             "0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
     folders = sorted(path.name for path in sweep_dir.iterdir() if path.is_dir())
     job_dirs = ["0_mlp-torch-digits_trainer.epochs=1", "1_mlp-custom-digits_trainer.epochs=1"]
-    assert folders == [*job_dirs, "speedup"]  # and the pair's speedup curve, a TensorBoard run of its own
-    assert [path.name for path in (sweep_dir / "speedup").iterdir()] == [job_dirs[1]]
+    # and no speedup curve: digits' epochs are too short to time (test_sweep_summary draws curves)
+    assert folders == job_dirs and "too short to time" in (sweep_dir / "summary.md").read_text()
     for name in job_dirs:
         assert events(sweep_dir / name).Scalars("val/acc")[0].step == 1
 
