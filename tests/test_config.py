@@ -222,6 +222,7 @@ def test_cuda_device_is_rejected_without_a_gpu():
     (["-m", "search=mlp_lr", "hydra.sweeper.direction=up"], ["hydra.sweeper.direction=up is invalid: it must be "
                                                              "maximize or minimize"]),
     (["trainer=foo"], ["trainer is a section of settings, not a setting", "trainer.epochs="]),
+    (["-m", "search=foo", "model=mlp"], ["search=foo is not an option; choose one of: mlp_lr"]),
     # a setting of another option of the group: which option has it, not "did you mean" itself
     (["optim.momentum=0.9"], ["optim.momentum is not a setting of the chosen optim; optim=sgd has it"]),
     (["model=resnet18", "model.hidden_sizes=[3]"], ["model.hidden_sizes is not a setting of the chosen model; "

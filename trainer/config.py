@@ -110,10 +110,10 @@ def check_command_line(argv):
         if key == "search" and not flags:  # without -m, the search's config would train one default run
             fail(f"search={override.value()} is a hyperparameter search: add -m "
                  f"(python train.py -m {shlex.join(arguments)})")
-        if (key in config_keys() and isinstance(config_keys()[key], dict) and not (CONF_DIR / key).is_dir()
-                and not isinstance(override.value(), dict)):
-            example = next(iter(config_keys()[key]))  # trainer=foo: the section replaced by a string
-            fail(f"{key} is a section of settings, not a setting: set its keys, e.g. {key}.{example}=... "
+        section = [setting for setting in known_settings() if setting.startswith(f"{key}.")]
+        if section and not (CONF_DIR / key).is_dir() and not isinstance(override.value(), dict):
+            # trainer=foo would replace the whole section by a string
+            fail(f"{key} is a section of settings, not a setting: set its keys, e.g. {section[0]}=... "
                  "(python train.py --cfg job lists them)")
         if key == "hydra/launcher" and str(override.value()) in SLURM_LAUNCHERS and not shutil.which("sbatch"):
             # the submitit plugin would fail only once it submits, in a long traceback
@@ -162,6 +162,8 @@ def check_search_model(overrides):
     if "search" not in chosen or "model" not in chosen or chosen["search"].is_sweep_override():
         return
     search = chosen["search"].value()
+    if not (CONF_DIR / "search" / f"{search}.yaml").is_file():  # no such search: the jobs' check names the options
+        return
     searched = OmegaConf.select(OmegaConf.load(CONF_DIR / "search" / f"{search}.yaml"), "model.name")
     models_asked = (list(chosen["model"].sweep_string_iterator()) if chosen["model"].is_choice_sweep()
                     else [str(chosen["model"].value())])
