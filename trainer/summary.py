@@ -47,8 +47,8 @@ OBJECTIVES = {
     "train/loss": "minimize", "time/epoch_s_mean": "minimize", "time/epoch_s_min": "minimize",
     "time/train_samples_per_s_mean": "maximize",
 }
-# (column, key in summary.json or job row, format for summary.md)
 EVALUATED_KEY = "evaluated"  # in an evaluation's summary.json: the checkpoint it evaluated
+# (column, key in summary.json or job row, format for summary.md)
 JOB_COLUMNS = (
     ("job", "job", "{}"),
     ("overrides", "overrides", "{}"),
