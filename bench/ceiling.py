@@ -34,7 +34,8 @@ import torch
 
 import ext
 from bench.linear import compare, fma_peak_gflops, parse_shapes, parse_threads, ratio_range, time_interleaved
-from bench.machine import command_line, describe_cpu, markdown_path, positive_int, positive_seconds, write_markdown
+from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_seconds, run_tool,
+                           write_markdown)
 from trainer import memory
 
 DEFAULT_SHAPES = "128x256->256,128x784->256,128x1024->1024,128x2048->1000"
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
                         help=f"batch x in -> out, comma-separated (default {DEFAULT_SHAPES})")
     parser.add_argument("--threads", type=parse_threads, default=parse_threads("2,1"))
     parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--min-run-time", type=positive_seconds, default=0.2, help="seconds per timed block")
+    parser.add_argument("--min-run-time", type=positive_seconds, default=0.2, help="seconds each side is timed in a round (in blocks of about 10 ms)")
     parser.add_argument("--markdown", type=markdown_path, help="also write the tables to this file")
     args = parser.parse_args(argv)
     sizes = torch.ops.ext.cpu_block_sizes(torch.ops.ext.cpu_path(), "float32")
@@ -172,4 +173,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_tool(lambda: main(sys.argv[1:]))

@@ -31,7 +31,7 @@ import ext  # noqa: E402
 from bench.linear import (FAULTS_NOTED_PER_CALL, compare, fma_peak_gflops, geomean_text,  # noqa: E402
                           parse_threads, ratio_range, time_interleaved)
 from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_seconds,  # noqa: E402
-                           write_markdown)
+                           run_tool, thread_count, write_markdown)
 from trainer import memory  # noqa: E402
 
 
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK_SHAPES)} shapes, shorter runs")
     parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '64->64@32k3s1'")
     parser.add_argument("--batch", type=positive_int, default=128)
-    parser.add_argument("--min-run-time", type=positive_seconds, default=None, help="seconds per measurement block")
+    parser.add_argument("--min-run-time", type=positive_seconds, default=None, help="seconds each side is timed in a round (in blocks of about 10 ms)")
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating torch/ext rounds per pass")
     parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the tables as markdown")
     parser.add_argument("--cuda", action="store_true", help="on the GPU against cuDNN, float32 and bfloat16")
@@ -239,4 +239,4 @@ def cuda_tables(args, shapes, min_run_time_s, rounds) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

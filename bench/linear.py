@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as `python bench/linear.py`
 import ext  # noqa: E402
 from bench import peers  # noqa: E402
 from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_seconds,  # noqa: E402
-                           write_markdown)
+                           run_tool, thread_count, usable_cpus, write_markdown)
 from trainer import memory  # noqa: E402
 
 MLP_SHAPES = [(128, 784, 256), (128, 256, 256), (128, 256, 10), (512, 784, 256), (512, 256, 256)]
@@ -109,8 +109,9 @@ HEADER = ["shape (batch x in->out)", "pass", "torch ms", "ext ms", "torch GFLOP/
 
 
 def ratio_range(ratios) -> str:
-    """'1.09-1.16': the lowest and highest of some ratios, or '-' without any."""
-    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+    """'1.09-1.16': the lowest and highest of some ratios, or '-' with fewer than two (one round's ratio
+    is no range: --rounds 1)."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
 def make_statements(linear, x, w, b, dy):
@@ -267,15 +268,14 @@ def format_markdown(rows: list[Row]) -> str:
 
 
 def parse_threads(text: str) -> list[int]:
-    """'all,1' -> [os.cpu_count(), 1]."""
+    """'all,1' -> [the CPUs this process may use, 1]."""
     counts = []
     for item in text.split(","):
-        item = item.strip()
-        count = os.cpu_count() if item == "all" else int(item) if item.isdigit() else 0
-        if count <= 0:
-            raise argparse.ArgumentTypeError(f"bad thread count {item!r}: write positive integers or 'all', "
-                                             "e.g. all,1")
-        counts.append(count)
+        try:
+            counts.append(thread_count(item))
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(f"bad thread count {item.strip()!r} ({error}): write positive integers "
+                                             "or 'all', e.g. all,1") from None
     return counts
 
 
@@ -312,7 +312,7 @@ def main(argv=None) -> None:
                         help="each product against torch, OpenBLAS and oneDNN, every library in its own process "
                              "(bench/peers.py)")
     parser.add_argument("--shapes", type=parse_shapes, help="only these shapes, e.g. '128x256->10,512x784->256'")
-    parser.add_argument("--min-run-time", type=positive_seconds, default=None, help="seconds per measurement block")
+    parser.add_argument("--min-run-time", type=positive_seconds, default=None, help="seconds each side is timed in a round (in blocks of about 10 ms)")
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating torch/ext rounds per pass")
     parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the tables as markdown")
     parser.add_argument("--cuda-only", action="store_true", help="only the CUDA tables (float32, TF32, bfloat16)")
@@ -382,7 +382,7 @@ def against_torch(args, shapes, min_run_time_s, rounds, markdown: list[str], tab
         table_done()
 
     if torch.cuda.is_available():
-        torch.set_num_threads(os.cpu_count())
+        torch.set_num_threads(usable_cpus())
         for precision, (dtype, allow_tf32) in CUDA_PRECISIONS.items():
             title = f"CUDA, {torch.cuda.get_device_name()}, {precision} (vs cuBLAS)"
             print(f"\n== {title} ==\n" + "  ".join(h.rjust(8) for h in HEADER), flush=True)
@@ -408,4 +408,4 @@ def against_torch(args, shapes, min_run_time_s, rounds, markdown: list[str], tab
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import ext
 from bench.linear import compare, geomean_text, parse_threads, ratio_range, time_interleaved
-from bench.machine import command_line, describe_cpu, markdown_path, positive_int, positive_seconds, write_markdown
+from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_seconds, run_tool,
+                           write_markdown)
 from trainer import memory
 
 DEFAULT_SHAPES = "128x10,512x10,256x1000,4096x1000,512x32000"
@@ -27,7 +28,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for item in text.split(","):
         rows, _, classes = item.strip().partition("x")
-        if not (rows.isdigit() and classes.isdigit() and int(classes) > 0):
+        if not (rows.isdigit() and classes.isdigit() and int(rows) > 0 and int(classes) > 0):
             raise argparse.ArgumentTypeError(f"{item.strip()!r} is not batch x classes, e.g. 128x10")
         shapes.append((int(rows), int(classes)))
     return shapes
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES))
     parser.add_argument("--threads", type=parse_threads, default=parse_threads("2,1"))
     parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--min-run-time", type=positive_seconds, default=0.2, help="seconds per timed block")
+    parser.add_argument("--min-run-time", type=positive_seconds, default=0.2, help="seconds each side is timed in a round (in blocks of about 10 ms)")
     parser.add_argument("--markdown", type=markdown_path, help="also write the tables to this file")
     args = parser.parse_args(argv)
     header = f"{describe_cpu()}; malloc: {memory.set_up()}"  # as the trainer runs: freed memory kept for reuse
@@ -90,4 +91,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_tool(lambda: main(sys.argv[1:]))

@@ -63,6 +63,38 @@ def describe_device(device) -> str:
     return str(device)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, a cgroup's cpuset, a SLURM job), not all the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def thread_count(text: str) -> int:
+    """argparse type: a positive number of threads, at most the CPUs this process may use; more would time the
+    operating system's sharing of the CPUs, not the kernels ('all': every usable CPU)."""
+    count = usable_cpus() if text.strip() == "all" else positive_int(text)
+    if count > usable_cpus():
+        raise argparse.ArgumentTypeError(f"{count} threads, but this process may use {usable_cpus()} CPUs; "
+                                         f"give at most {usable_cpus()}")
+    return count
+
+
+def run_tool(main) -> None:
+    """Run a benchmark's main: Ctrl-C ends it quietly (exit 130, as train.py), and sizes too large for memory
+    end in one line rather than the allocator's traceback."""
+    import torch  # here, as in describe_device
+
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        text = str(error)
+        if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in text:
+            raise
+        first_line = " ".join(text.split("\n")[0].split())[:200]
+        sys.exit(f"error: out of memory ({first_line or type(error).__name__}); give smaller sizes")
+
+
 def positive_int(text: str) -> int:
     """argparse type: a positive integer (rounds, pairs, images, a batch)."""
     value = int(text) if text.strip().isdigit() else 0
@@ -119,4 +151,6 @@ def describe_cpu() -> str:
     if vectors:
         details.append(", ".join(vectors))
     text = f"{name} ({'; '.join(details)})" if details else name
-    return ", ".join(filter(None, [text, f"{os.cpu_count()} CPUs", caches()]))
+    usable, total = usable_cpus(), os.cpu_count()
+    cpus = f"{usable} CPUs" if usable == total else f"{usable} of its {total} CPUs usable here"
+    return ", ".join(filter(None, [text, cpus, caches()]))

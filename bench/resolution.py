@@ -16,8 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import command_line, describe_cpu, markdown_path, positive_int, positive_ints, write_markdown
-from trainer import summary, timing
+from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_ints, run_tool,
+                           thread_count, write_markdown)
+from trainer import logs, summary, timing
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 5  # the first is left out of the timing, as in every comparison
@@ -43,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--sizes", type=positive_ints, default="1280,5120,20480,40960",
                         help="training images per run, comma-separated")
     parser.add_argument("--pairs", type=positive_int, default=3, help="pairs of identical runs per size")
-    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--markdown", metavar="FILE", type=markdown_path, help="also write the table as markdown")
     args = parser.parse_args(argv)
     rows = []
@@ -54,12 +55,13 @@ def main(argv=None):
                                  for side in ("a", "b"))
                 ratio = timing.speedup(timing.timed_steps(first), timing.timed_steps(second))
                 strayed = abs(ratio.value - 1) > MAX_ERROR
-                excludes_one = not ratio.low <= 1 <= ratio.high
+                excludes_one = ("-" if not ratio.has_interval  # too few steps: no interval to leave 1 out
+                                else "yes" if not ratio.low <= 1 <= ratio.high else "no")
                 rows.append(f"| {size:,} | {pair + 1} | {ratio.timed_s:.2f} | {ratio.value:.3f} | "
-                            f"{ratio.interval_text()} | {'yes' if strayed else 'no'} | {'yes' if excludes_one else 'no'} |")
+                            f"{ratio.interval_text()} | {'yes' if strayed else 'no'} | {excludes_one} |")
                 print(rows[-1], flush=True)
     lines = [command_line("python -m bench.resolution", argv), "", describe_cpu(), "",
-             f"MLP 784-256-256-10, batch 128, {args.threads} threads, {EPOCHS} epochs a run (the first not timed)", "",
+             f"MLP 784-256-256-10, batch 128, {logs.counted(args.threads, 'thread')}, {EPOCHS} epochs a run (the first not timed)", "",
              "| images | pair | timed s per run | ratio | 95% interval | off by more than 5% | interval leaves 1 out |",
              "|---|---|---|---|---|---|---|", *rows, ""]
     print("\n".join(lines))
@@ -68,4 +70,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

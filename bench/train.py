@@ -21,7 +21,8 @@ import statistics
 import torch
 
 import data
-from bench.machine import command_line, describe_cpu, describe_device, markdown_path, positive_int, write_markdown
+from bench.machine import (command_line, describe_cpu, describe_device, markdown_path, positive_int, run_tool,
+                           thread_count, write_markdown)
 import train
 from trainer import build, config, logs, memory, timing
 
@@ -34,7 +35,7 @@ def main(argv=None):
     parser.add_argument("--epochs", type=positive_int, default=5, help="timed epochs per side (after one warm-up)")
     parser.add_argument("--train-size", type=positive_int, default=60_000)
     parser.add_argument("--batch-size", type=positive_int, default=128)
-    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
+    parser.add_argument("--threads", type=thread_count, default=torch.get_num_threads(),
                         help="torch threads (default: all)")
     parser.add_argument("--malloc-defaults", action="store_true",
                         help="leave glibc's malloc as it is (by default freed memory is kept, as the trainer does)")
@@ -118,4 +119,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)
