@@ -327,6 +327,8 @@ def main(argv=None) -> None:
         parser.error("--cuda-only runs the CUDA tables only: leave out --peers and --cpu-path")
     if args.peers and (args.cpu_path or args.products):
         parser.error("--peers times the products on ext's best CPU path: leave out --cpu-path and --products")
+    if args.peers and args.malloc_defaults:
+        parser.error("--peers keeps freed memory for reuse in every side's process alike: leave out --malloc-defaults")
     if args.cpu_path:
         try:
             torch.ops.ext.set_cpu_path(args.cpu_path)

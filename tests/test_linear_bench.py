@@ -306,6 +306,9 @@ def test_peers_mode_refuses_the_options_it_does_not_take(capsys):
     with pytest.raises(SystemExit):
         bench_linear.main(["--peers", "--products"])
     assert "--peers times the products on ext's best CPU path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # every worker keeps freed memory: the header would misname the setting
+        bench_linear.main(["--peers", "--malloc-defaults"])
+    assert "leave out --malloc-defaults" in capsys.readouterr().err
 
 
 def test_cuda_only_runs_no_cpu_table(tmp_path, capsys):
