@@ -350,7 +350,10 @@ def main(argv=None) -> None:
             write_markdown(args.markdown, markdown, announce=False)
 
     if args.peers:
-        peers.run(shapes, args.threads, min_run_time_s, rounds, markdown)
+        try:
+            peers.run(shapes, args.threads, min_run_time_s, rounds, markdown)
+        except peers.PeerUnavailable as error:
+            parser.exit(1, f"{parser.prog}: error: {error}\n")
     else:
         against_torch(args, shapes, min_run_time_s, rounds, markdown, save_tables_so_far)
     if args.markdown:

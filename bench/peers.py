@@ -33,6 +33,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,7 @@ BLOCK_S = 0.01  # each timed block repeats the call until it lasts this long
 PEAK_GOAL = 0.90  # the issue's goal: ext at >= 90% of peak where the GEMM is big enough to reach it
 PEAK_GOAL_MIN = (128, 128, 256)  # ... that is, with M, N >= 128 and K >= 256
 OPENBLAS_SLOWING_VARIABLES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+CALL_SHAPE = (1, 1, 1)  # a product of one multiply-add: what remains is the call itself
 
 
 def gemm_dims(shape, product):
@@ -130,8 +132,22 @@ def calls(library, shape):
             "dW": lambda: aten.mkldnn_linear_backward_weights(dym, xm, wm, False)[0]}
 
 
+class Unusable(Exception):
+    """This worker's library cannot run here; the message says what was wrong and what to do."""
+
+
+# What to do when a library fails to start in a way its own checks do not name
+WHAT_TO_DO = {
+    "ext": "check that `python -c 'import ext'` works in this environment (ext/README.md: the build)",
+    "torch": "reinstall the torch of requirements.txt (pip install -r requirements.txt)",
+    "openblas": "reinstall numpy's pip wheel, which bundles OpenBLAS (pip install --force-reinstall numpy)",
+    "onednn": "use a torch build with oneDNN, as the pip wheels are (torch.backends.mkldnn.is_available())",
+}
+
+
 class Worker:
-    """The library's side of the conversation: set threads, build a shape's calls, time one."""
+    """The library's side of the conversation: set threads, build a shape's calls, time one. Raises Unusable
+    where the library cannot run here."""
 
     def __init__(self, library):
         from trainer import memory
@@ -139,24 +155,12 @@ class Worker:
         memory.set_up(keep=True)  # as bench.linear and the trainer run: freed memory kept for reuse, every side alike
         self.library = library
         self.calls = {}
-        if library == "openblas":
-            import numpy as np  # noqa: F401  (loads OpenBLAS, for threadpoolctl to find)
-            from threadpoolctl import threadpool_info, threadpool_limits
-            self.set_threads = lambda count: threadpool_limits(limits=count, user_api="blas")
-            (blas,) = [info for info in threadpool_info() if info["user_api"] == "blas"]
-            self.description = (f"OpenBLAS {blas['version']} (numpy {np.__version__}), kernels for "
-                                f"{blas['architecture']}, {blas['threading_layer']} threads")
-        else:
-            import torch
-            self.set_threads = torch.set_num_threads
-            config = torch.__config__.show()
-            blas = re.search(r"BLAS_INFO=(\w+)", config)
-            onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
-            self.description = {
-                "ext": f"ext (CPU path {self.ext_path()})",
-                "torch": f"torch {torch.__version__} F.linear / torch.mm (BLAS: {blas[1] if blas else 'unknown'})",
-                "onednn": f"oneDNN {onednn[1] if onednn else ''} through torch's mkldnn ops",
-            }[self.library]
+        self.set_threads, self.description = open_library(library)
+        try:  # each product once on a 1x1->1 layer: a library that loads but cannot compute fails here, not mid-run
+            for call in calls(library, CALL_SHAPE).values():
+                call()
+        except Exception as error:
+            raise Unusable(f"its products fail on a 1x1->1 layer ({first_line(error)}): {WHAT_TO_DO[library]}")
 
     @staticmethod
     def ext_path():
@@ -177,15 +181,72 @@ class Worker:
         return answer
 
 
+def open_library(library):
+    """(set_threads, description) of `library`; Unusable where it is missing or not what this compares."""
+    if library == "openblas":
+        try:
+            import numpy as np  # loads OpenBLAS, for threadpoolctl to find
+            from threadpoolctl import threadpool_info, threadpool_limits
+        except ImportError as error:
+            raise Unusable(f"{first_line(error)}: install numpy and threadpoolctl (pip install -r requirements.txt)")
+        blas = [info for info in threadpool_info() if info.get("user_api") == "blas"]
+        openblas = [info for info in blas if info.get("internal_api") == "openblas"]
+        if not openblas:
+            found = ", ".join(str(info.get("internal_api")) for info in blas) or "none"
+            raise Unusable(f"numpy {np.__version__} runs no OpenBLAS that threadpoolctl finds (BLAS found: {found}): "
+                           f"{WHAT_TO_DO[library]}")
+        info = openblas[0]
+        return (lambda count: threadpool_limits(limits=count, user_api="blas"),
+                f"OpenBLAS {info.get('version')} (numpy {np.__version__}), kernels for {info.get('architecture')}, "
+                f"{info.get('threading_layer')} threads")
+    import torch
+
+    if library == "onednn" and not torch.backends.mkldnn.is_available():
+        raise Unusable(f"torch {torch.__version__} was built without oneDNN: {WHAT_TO_DO[library]}")
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
+    description = {
+        "ext": lambda: f"ext (CPU path {Worker.ext_path()})",
+        "torch": lambda: f"torch {torch.__version__} F.linear / torch.mm (BLAS: {blas[1] if blas else 'unknown'})",
+        "onednn": lambda: f"oneDNN {onednn[1] if onednn else ''} through torch's mkldnn ops",
+    }[library]()
+    return torch.set_num_threads, description
+
+
+def first_line(error):
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 def worker_main(library):
-    """`python -m bench.peers <library>`: answer one JSON request per line on stdin, one per line on stdout."""
-    worker = Worker(library)
+    """`python -m bench.peers <library>`: answer one JSON request per line on stdin, one per line on stdout. The
+    first line is the library's description, or {"error": ...} where it cannot run (and the worker ends)."""
+    # Ctrl-C reaches every process of the terminal: the parent's `finally` closes the workers, without their
+    # tracebacks; a worker asked to time something finishes it first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker = Worker(library)
+    except Unusable as error:
+        report_unusable(str(error))
+    except Exception as error:  # an unforeseen failure still comes back as one line, with what to try
+        report_unusable(f"{first_line(error)}: {WHAT_TO_DO[library]}")
     print(json.dumps({"description": worker.description}), flush=True)
     for line in sys.stdin:
         print(json.dumps(worker.answer(json.loads(line))), flush=True)
 
 
+def report_unusable(message):
+    print(json.dumps({"error": message}), flush=True)
+    sys.exit(1)
+
+
 # ---- the parent side
+
+class PeerUnavailable(RuntimeError):
+    """A side of --peers cannot run here: the message names its library and what to do."""
+
 
 class WorkerProcess:
     def __init__(self, library):
@@ -196,7 +257,15 @@ class WorkerProcess:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.process = subprocess.Popen([sys.executable, "-m", "bench.peers", library], cwd=repo, env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.description = self.receive()["description"]
+        try:
+            first = self.receive()
+        except BaseException:  # Ctrl-C while it starts: no process left behind
+            self.close()
+            raise
+        if "error" in first:
+            self.close()
+            raise PeerUnavailable(f"--peers cannot run its {LABELS[library]} side: {first['error']}")
+        self.description = first["description"]
 
     def ask(self, **request):
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -210,6 +279,7 @@ class WorkerProcess:
         return json.loads(line)
 
     def close(self):
+        """Ends the worker: it sees the end of its input once it has answered what it was asked."""
         self.process.stdin.close()
         self.process.wait()
 
@@ -274,8 +344,6 @@ HEADER = ["shape (batch x in->out)", "product", "M x N x K", "ext ms", "ext GFLO
           "OpenBLAS GFLOP/s", "oneDNN GFLOP/s", "best peer", "ext/best", "by round",
           "ext % of FMA peak (by round)"]
 
-
-CALL_SHAPE = (1, 1, 1)  # a product of one multiply-add: what remains is the call itself
 
 
 def measure_product(workers, shape, product, threads, min_run_time_s, rounds):
@@ -353,9 +421,12 @@ def summary_lines(rows, calls):
 
 
 def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
-    """Start the workers, measure each thread count, print and add to `markdown` (a list of lines)."""
-    workers = {library: WorkerProcess(library) for library in LIBRARIES}
+    """Start the workers, measure each thread count, print and add to `markdown` (a list of lines). Raises
+    PeerUnavailable where a library cannot run here."""
+    workers = {}
     try:
+        for library in LIBRARIES:  # inside `try`: a side that cannot start closes those started before it
+            workers[library] = WorkerProcess(library)
         sides = "; ".join(workers[library].description for library in LIBRARIES)
         print(f"sides, each in its own process: {sides}")
         markdown += [f"Sides, each in its own process: {sides}.", ""]
@@ -363,9 +434,9 @@ def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
             rows, calls = measure(workers, shapes, threads, min_run_time_s, rounds,
                                   progress=lambda line: print(line, file=sys.stderr, flush=True))
             peaks = [peak for row in rows for peak in row.round_peaks]
-            title = (f"CPU, {threads} thread{'s' if threads != 1 else ''}: ext against the best peer (FMA peak "
-                     f"read after each of ext's rounds: {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s, median "
-                     f"{statistics.median(peaks):.0f})")
+            title = (f"CPU, {threads} thread{'s' if threads != 1 else ''}: ext against the best peer (ext/best: the "
+                     "best peer's time over ext's, above 1: ext faster; FMA peak read after each of ext's rounds: "
+                     f"{min(peaks):.0f}-{max(peaks):.0f} GFLOP/s, median {statistics.median(peaks):.0f})")
             table = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
             table += ["| " + " | ".join(row.cells()) + " |" for row in rows]
             summary = summary_lines(rows, calls)

@@ -1,8 +1,10 @@
 """bench/linear.py times ext.linear against F.linear and prints (and writes) its tables (no timing limits)."""
 import argparse
+import json
 import mmap
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -309,6 +311,75 @@ def test_peers_mode_refuses_the_options_it_does_not_take(capsys):
     with pytest.raises(SystemExit):  # every worker keeps freed memory: the header would misname the setting
         bench_linear.main(["--peers", "--malloc-defaults"])
     assert "leave out --malloc-defaults" in capsys.readouterr().err
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def stub_module(directory, name, source):
+    """A directory holding module `name` with `source`, to put before the real one on PYTHONPATH."""
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}.py").write_text(source)
+    return f"{directory}{os.pathsep}{REPO}"
+
+
+def test_peers_mode_without_a_library_it_needs_ends_with_one_line_naming_it(tmp_path):
+    path = stub_module(tmp_path / "stubs", "threadpoolctl", 'raise ImportError("No module named threadpoolctl")')
+    done = subprocess.run([sys.executable, "-m", "bench.linear", "--peers", "--threads", "1", "--shapes", "8x16->4",
+                           "--rounds", "1", "--min-run-time", "0.01"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "python -m bench.linear: error: --peers cannot run its OpenBLAS side: ImportError: No module named "
+        "threadpoolctl: install numpy and threadpoolctl (pip install -r requirements.txt)"]
+
+
+def test_a_worker_whose_library_cannot_run_says_so_as_its_first_answer(tmp_path):
+    path = stub_module(tmp_path / "stubs", "threadpoolctl", 'raise ImportError("No module named threadpoolctl")')
+    done = subprocess.run([sys.executable, "-m", "bench.peers", "openblas"], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=120)
+    assert (done.returncode, done.stderr) == (1, "")
+    assert json.loads(done.stdout) == {"error": "ImportError: No module named threadpoolctl: install numpy and "
+                                                "threadpoolctl (pip install -r requirements.txt)"}
+
+
+def test_the_parent_raises_the_workers_error_naming_its_library(tmp_path, monkeypatch):
+    # numpy with a BLAS other than OpenBLAS: threadpoolctl finds none
+    monkeypatch.setenv("PYTHONPATH", stub_module(tmp_path / "stubs", "threadpoolctl", "def threadpool_info():\n"
+                                                 "    return []\n\n\ndef threadpool_limits(**kwargs):\n    pass\n"))
+    with pytest.raises(peers.PeerUnavailable, match=r"^--peers cannot run its OpenBLAS side: numpy \S+ runs no "
+                                                    r"OpenBLAS that threadpoolctl finds \(BLAS found: none\): "
+                                                    r"reinstall numpy's pip wheel"):
+        peers.WorkerProcess("openblas")
+
+
+def test_a_onednn_that_cannot_compute_is_found_when_its_worker_starts(monkeypatch):
+    def unusable(self):
+        raise RuntimeError("mkldnn: unsupported CPU\nmore detail")
+
+    monkeypatch.setattr(torch.Tensor, "to_mkldnn", unusable)
+    with pytest.raises(peers.Unusable, match=r"^its products fail on a 1x1->1 layer \(RuntimeError: mkldnn: "
+                                             r"unsupported CPU\): use a torch build with oneDNN"):
+        peers.Worker("onednn")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with pytest.raises(peers.Unusable, match=r"^torch \S+ was built without oneDNN: use a torch build with oneDNN"):
+        peers.open_library("onednn")
+
+
+def test_a_worker_ignores_ctrl_c_and_ends_when_its_parent_closes_it():
+    worker = subprocess.Popen([sys.executable, "-m", "bench.peers", "openblas"], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "OpenBLAS" in json.loads(worker.stdout.readline())["description"]
+        worker.send_signal(signal.SIGINT)  # Ctrl-C reaches the whole terminal's processes
+        worker.stdin.write(json.dumps({"threads": 1, "shape": [2, 3, 4], "product": "dX", "min_run_time": 0.001})
+                           + "\n")
+        worker.stdin.flush()
+        assert json.loads(worker.stdout.readline())["seconds"]
+    finally:
+        worker.stdin.close()
+        assert worker.wait(timeout=60) == 0
+        assert worker.stderr.read() == ""
 
 
 def test_cuda_only_runs_no_cpu_table(tmp_path, capsys):
