@@ -351,7 +351,7 @@ def main(argv=None) -> None:
 
     if args.peers:
         try:
-            peers.run(shapes, args.threads, min_run_time_s, rounds, markdown)
+            peers.run(shapes, args.threads, min_run_time_s, rounds, markdown, save_tables_so_far)
         except peers.PeerUnavailable as error:
             parser.exit(1, f"{parser.prog}: error: {error}\n")
     else:

@@ -420,9 +420,10 @@ def summary_lines(rows, calls):
     return lines
 
 
-def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
-    """Start the workers, measure each thread count, print and add to `markdown` (a list of lines). Raises
-    PeerUnavailable where a library cannot run here."""
+def run(shapes, thread_counts, min_run_time_s, rounds, markdown, table_done=lambda: None):
+    """Start the workers, measure each thread count, print and add to `markdown` (a list of lines), calling
+    table_done() after each thread count's table (so that a run cut short keeps the tables it finished).
+    Raises PeerUnavailable where a library cannot run here."""
     workers = {}
     try:
         for library in LIBRARIES:  # inside `try`: a side that cannot start closes those started before it
@@ -444,6 +445,7 @@ def run(shapes, thread_counts, min_run_time_s, rounds, markdown):
             print("\n".join(table))
             print("\n".join(summary), flush=True)
             markdown += [f"### {title}", "", *table, "", *[f"- {line}" for line in summary], ""]
+            table_done()
     finally:
         for worker in workers.values():
             worker.close()

@@ -382,6 +382,38 @@ def test_a_worker_ignores_ctrl_c_and_ends_when_its_parent_closes_it():
         assert worker.stderr.read() == ""
 
 
+def test_a_peers_run_cut_short_keeps_the_tables_it_finished(tmp_path, monkeypatch):
+    class StandInWorker:
+        def __init__(self, library):
+            self.description = f"stand-in {library}"
+
+        def close(self):
+            pass
+
+    def measure(workers, shapes, threads, min_run_time_s, rounds, progress):
+        if threads == 2:
+            raise KeyboardInterrupt  # as a run stopped by a timeout or Ctrl-C
+        row = synthetic_row((8, 16, 4), "forward", [1.0, 1.1], [1.2, 1.2])
+        return [row], {product: replace(row, product=product) for product in peers.PRODUCTS}
+
+    monkeypatch.setattr(peers, "WorkerProcess", StandInWorker)
+    monkeypatch.setattr(peers, "measure", measure)
+    markdown = tmp_path / "peers.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench_linear.main(["--peers", "--threads", "1,2", "--markdown", str(markdown)])
+    written = markdown.read_text()
+    assert "### CPU, 1 thread: ext against the best peer" in written and "| 8x16->4 | forward |" in written
+    assert "### CPU, 2 threads" not in written
+
+
+def synthetic_row(shape, product, ext, peer, peaks=None, others=None):
+    """A PeerRow from each round's median seconds of ext and of its best peer (OpenBLAS; the others slower)."""
+    others = others or [max(peer) * 10] * len(peer)
+    rounds = {"ext": list(ext), "torch": list(others), "openblas": list(peer), "onednn": list(others)}
+    return peers.PeerRow(shape, product, {side: statistics.median(t) for side, t in rounds.items()}, rounds,
+                         list(peaks or [100.0] * len(ext)))
+
+
 def test_cuda_only_runs_no_cpu_table(tmp_path, capsys):
     bench_linear.main(["--cuda-only", "--quick", "--markdown", str(tmp_path / "cuda.md")])
     out = capsys.readouterr().out
