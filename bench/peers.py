@@ -23,8 +23,11 @@ time over ext's (above 1: ext is faster), with its range over the rounds. % of p
 FMA peak ext measures on this machine, read by ext's worker right after each of its rounds: each round's time
 against the reading of the same moment, the median over rounds with its range. A shared machine's slow
 moments then slow both, rather than a product timed in one counting against a peak read in another.
-Each side's call alone is timed too, as the products of a 1x1->1 layer, and a product behind its best peer is
-compared again net of each side's call: for a product of a few microseconds, how fast each side computes.
+Each side's call alone is timed too, as the products of a 1x1->1 layer, and a product not ahead of its best
+peer in every round is compared again net of each side's call, with the range the rounds' extremes allow: for
+a product of a few microseconds, how fast each side computes. The summary counts a product behind its peer (or
+short of 90% of peak) only where every round is, ahead (or at 90%) only where every round is, and else within
+noise. A library missing or unusable ends the run with one line naming it (PeerUnavailable).
 """
 from __future__ import annotations
 
@@ -381,23 +384,45 @@ def geomean(values):
     return math.exp(sum(map(math.log, values)) / len(values))
 
 
+def net_seconds(row, calls, side):
+    """A side's product time less its call alone: from their medians, and the least and the most the rounds
+    allow (its fastest round of the product less its slowest of the call, and the reverse). The call is timed
+    after the products, so no round of one is paired with a round of the other."""
+    product, call = row.round_seconds[side], calls[row.product].round_seconds[side]
+    return (row.seconds[side] - calls[row.product].seconds[side], min(product) - max(call),
+            max(product) - min(call))
+
+
 def net_of_calls(row, calls):
-    """The best peer's time over ext's, each less its own call alone (calls: measure's): how the two compute,
-    where a product lasts a few microseconds and the calls differ by one. None where a side's product takes
-    no longer than its call alone: then there is no computing time left to compare."""
-    call = calls[row.product].seconds
-    peer, ours = (row.seconds[side] - call[side] for side in (row.best_peer, "ext"))
-    return peer / ours if peer > 0 and ours > 0 else None
+    """The best peer's time over ext's, each less its own call alone (calls: measure's), with its range from
+    the rounds' extremes: how the two compute, where a product lasts a few microseconds and the calls differ
+    by one. None where a side's product cannot be told from its call alone (its fastest round of the product
+    no slower than its slowest of the call): then there is no computing time to compare."""
+    peer, ours = net_seconds(row, calls, row.best_peer), net_seconds(row, calls, "ext")
+    if peer[1] <= 0 or ours[1] <= 0:
+        return None
+    return peer[0] / ours[0], peer[1] / ours[2], peer[2] / ours[1]
 
 
 def net_of_calls_words(row, calls):
     net = net_of_calls(row, calls)
-    return "no time left net of the calls" if net is None else f"{net:.2f} net of each side's call"
+    if net is None:
+        return "within noise net of the calls: a side's product no slower than its call alone in some round"
+    value, low, high = net
+    return f"{value:.2f} net of each side's call ({low:.2f}-{high:.2f} at the rounds' extremes)"
+
+
+def against_line(low, high, line):
+    """'above' where every round is at or above `line`, 'below' where every round is below it, else 'noise':
+    a median on one side of the line with rounds on both says nothing about which side the product is on."""
+    return "above" if low >= line else "below" if high < line else "noise"
 
 
 def summary_lines(rows, calls):
-    """The geomean of ext/best with its range over rounds, each side's call alone, the products behind their
-    best peer (with the ratio net of the calls), and those the 90% of peak goal applies to that miss it."""
+    """The geomean of ext/best with its range over rounds, each side's call alone, how many products are ahead
+    of their best peer, level within noise and behind, round by round (those not ahead listed, with the
+    ratio net of the calls), and the products the 90% of peak goal applies to that are not at 90% in every
+    round."""
     per_round = [geomean(ratios) for ratios in zip(*(row.round_ratios for row in rows))]
     lowest = min(rows, key=lambda row: row.ratio)
     lines = [f"geomean ext/best peer over {len(rows)} products: {geomean(row.ratio for row in rows):.2f} "
@@ -406,18 +431,46 @@ def summary_lines(rows, calls):
     lines.append("the call alone (a 1x1->1 product; µs per call, forward / dX / dW): " + "; ".join(
         f"{LABELS[library]} " + " / ".join(f"{calls[product].seconds[library] * 1e6:.1f}" for product in PRODUCTS)
         for library in LIBRARIES))
-    behind = [row for row in rows if row.ratio < 1.0]
-    if behind:
-        lines.append("behind the best peer: " + ", ".join(
-            f"{row.cells()[0]} {row.product} {row.ratio:.2f} "
-            f"({LABELS[row.best_peer]}; {net_of_calls_words(row, calls)})"
-            for row in behind))
-    short = [row for row in rows if row.peak_goal_applies and row.peak_share < PEAK_GOAL]
-    applies = sum(row.peak_goal_applies for row in rows)
-    lines.append(f"{applies - len(short)} of the {applies} products with M, N >= 128 and K >= 256 reach 90% of peak"
-                 + (": not " + ", ".join(f"{row.cells()[0]} {row.product} {percent(row.peak_share)}"
-                                         for row in short) if short else ""))
+    against_peer = {"above": [], "noise": [], "below": []}
+    for row in rows:
+        against_peer[against_line(min(row.round_ratios), max(row.round_ratios), 1.0)].append(row)
+    lines.append(f"against the best peer, round by round: {len(against_peer['above'])} of {len(rows)} products "
+                 f"level or ahead in every round, {len(against_peer['noise'])} level within noise (ahead in some "
+                 f"rounds, behind in others), {len(against_peer['below'])} behind in every round")
+    for verdict, words in (("below", "behind the best peer in every round"),
+                           ("noise", "level with the best peer within noise")):
+        if against_peer[verdict]:
+            lines.append(f"{words}: " + ", ".join(
+                f"{row.cells()[0]} {row.product} {row.ratio:.2f} (by round {min(row.round_ratios):.2f}-"
+                f"{max(row.round_ratios):.2f}; {LABELS[row.best_peer]}; {net_of_calls_words(row, calls)})"
+                for row in against_peer[verdict]))
+    lines.append(peak_goal_line([row for row in rows if row.peak_goal_applies]))
     return lines
+
+
+def peak_goal_line(rows):
+    """How many of the rows (those the goal applies to) are at 90% of peak in every round, how many within
+    noise of it (some rounds at it, some below) and how many short of it in every round, the last two named."""
+    if not rows:
+        return "the 90% of peak goal applies to none of these products (none has M, N >= 128 and K >= 256)"
+    against_goal = {"above": [], "noise": [], "below": []}
+    for row in rows:
+        shares = row.round_peak_shares
+        against_goal[against_line(min(shares), max(shares), PEAK_GOAL)].append(row)
+
+    def named(rows):
+        return ", ".join(f"{row.cells()[0]} {row.product} {percent(row.peak_share)} "
+                         f"({percent(min(row.round_peak_shares))}-{percent(max(row.round_peak_shares))})"
+                         for row in rows)
+
+    line = (f"{len(against_goal['above'])} of the {len(rows)} products with M, N >= 128 and K >= 256 at 90% of peak "
+            f"in every round, {len(against_goal['noise'])} within noise of it, {len(against_goal['below'])} short "
+            "of it in every round")
+    if against_goal["noise"]:
+        line += f"; within noise of 90%: {named(against_goal['noise'])}"
+    if against_goal["below"]:
+        line += f"; short of 90%: {named(against_goal['below'])}"
+    return line
 
 
 def run(shapes, thread_counts, min_run_time_s, rounds, markdown, table_done=lambda: None):

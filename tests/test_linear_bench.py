@@ -244,12 +244,14 @@ def test_the_share_of_peak_is_each_rounds_time_against_the_peak_read_in_the_same
     # a tenth of a percent, rounded down: a share just under the goal never prints as the goal
     assert [peers.percent(s) for s in (0.8996, 0.8994, 0.9, 0.9004, 1.4409)] == ["89.9%", "89.9%", "90.0%", "90.0%",
                                                                                  "144.0%"]
-    short = replace(row, round_peaks=[100.0, 50.0, 100.5])  # shares 0.9, 0.9, 0.796: still 90%
-    assert peers.summary_lines([short], {p: row for p in peers.PRODUCTS})[-1] == (
-        "1 of the 1 products with M, N >= 128 and K >= 256 reach 90% of peak")
-    slow = replace(row, round_peaks=[101.0, 50.5, 101.0])  # 89.1% in the median round: short of the goal
+    reached = replace(row, round_seconds={**seconds, "ext": [flops / 90e9, flops / 45e9, flops / 90e9]})
+    assert peers.summary_lines([reached], {p: row for p in peers.PRODUCTS})[-1] == (
+        "1 of the 1 products with M, N >= 128 and K >= 256 at 90% of peak in every round, 0 within noise of it, "
+        "0 short of it in every round")
+    slow = replace(row, round_peaks=[101.0, 50.5, 101.0])  # 89.1% in every round but the 79.2% one: short
     assert peers.summary_lines([slow], {p: row for p in peers.PRODUCTS})[-1] == (
-        "0 of the 1 products with M, N >= 128 and K >= 256 reach 90% of peak: not 128x512->256 dX 89.1%")
+        "0 of the 1 products with M, N >= 128 and K >= 256 at 90% of peak in every round, 0 within noise of it, "
+        "1 short of it in every round; short of 90%: 128x512->256 dX 89.1% (79.2%-89.1%)")
 
 
 def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_path, capsys):
@@ -272,7 +274,8 @@ def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_pa
     (calls,) = [line for line in text.splitlines() if line.startswith("- the call alone (a 1x1->1 product")]
     for label in ("ext", "torch", "OpenBLAS", "oneDNN"):  # each side's forward / dX / dW, in µs
         assert re.search(rf"\b{label} \d+\.\d / \d+\.\d / \d+\.\d\b", calls), (label, calls)
-    assert "0 of the 0 products with M, N >= 128 and K >= 256 reach 90% of peak" in text
+    assert "- the 90% of peak goal applies to none of these products (none has M, N >= 128 and K >= 256)" in text
+    assert "ext against the best peer (ext/best: the best peer's time over ext's, above 1: ext faster;" in text
 
 
 def test_a_product_behind_its_peer_is_also_compared_net_of_each_sides_call():
@@ -284,15 +287,63 @@ def test_a_product_behind_its_peer_is_also_compared_net_of_each_sides_call():
 
     head = row((128, 256, 10), 4.7, 3.8)
     calls = {product: row(peers.CALL_SHAPE, 1.6, 0.7) for product in peers.PRODUCTS}
-    assert head.ratio == pytest.approx(3.8 / 4.7) and peers.net_of_calls(head, calls) == pytest.approx(1.0)
+    assert head.ratio == pytest.approx(3.8 / 4.7) and peers.net_of_calls(head, calls) == pytest.approx((1, 1, 1))
     lines = peers.summary_lines([head, row((128, 512, 256), 100.0, 110.0, others=200.0)], calls)
     assert ("the call alone (a 1x1->1 product; µs per call, forward / dX / dW): ext 1.6 / 1.6 / 1.6; "
             "torch 9.0 / 9.0 / 9.0; OpenBLAS 0.7 / 0.7 / 0.7; oneDNN 9.0 / 9.0 / 9.0") in lines
-    assert "behind the best peer: 128x256->10 dX 0.81 (OpenBLAS; 1.00 net of each side's call)" in lines
+    assert ("behind the best peer in every round: 128x256->10 dX 0.81 (by round 0.81-0.81; OpenBLAS; 1.00 net of "
+            "each side's call (1.00-1.00 at the rounds' extremes))") in lines
     # a product no longer than a side's call alone leaves nothing to compare
     tiny = row((16, 40, 24), 1.5, 1.0)
     assert peers.net_of_calls(tiny, calls) is None
-    assert "16x40->24 dX 0.67 (OpenBLAS; no time left net of the calls)" in peers.summary_lines([tiny], calls)[-2]
+    assert ("16x40->24 dX 0.67 (by round 0.67-0.67; OpenBLAS; within noise net of the calls: a side's product no "
+            "slower than its call alone in some round)") in peers.summary_lines([tiny], calls)[-2]
+
+
+def test_the_ratio_net_of_the_calls_comes_with_the_range_its_rounds_allow():
+    """ext's product 2.0-2.2 µs against its call alone 1.9-2.0: the 0.1 µs between the medians could be
+    0.0-0.3; the peer's 3.0 µs less 1.0 is 2.0 in every round. Net 10.0 from the medians, 6.7 to unbounded."""
+    product = synthetic_row((8, 16, 4), "forward", [2.0e-6, 2.1e-6, 2.2e-6], [3.0e-6] * 3)
+    call = synthetic_row(peers.CALL_SHAPE, "forward", [1.9e-6, 2.0e-6, 1.9e-6], [1.0e-6] * 3)
+    calls = {p: call for p in peers.PRODUCTS}
+    assert peers.net_of_calls(product, calls) is None  # ext's fastest product round (2.0) is its slowest call's
+    faster_call = synthetic_row(peers.CALL_SHAPE, "forward", [1.8e-6, 1.8e-6, 1.7e-6], [1.0e-6] * 3)
+    net = peers.net_of_calls(product, {p: faster_call for p in peers.PRODUCTS})
+    assert net == pytest.approx((2.0 / 0.3, 2.0 / 0.5, 2.0 / 0.2))
+    assert peers.net_of_calls_words(product, {p: faster_call for p in peers.PRODUCTS}) == (
+        "6.67 net of each side's call (4.00-10.00 at the rounds' extremes)")
+
+
+def test_a_product_is_ahead_or_behind_its_peer_only_where_every_round_says_so():
+    rows = [synthetic_row((128, 512, 256), "forward", [1.0] * 3, [1.1, 1.2, 1.0]),  # ahead or level every round
+            synthetic_row((128, 512, 256), "dX", [1.0] * 3, [0.99, 1.04, 1.0]),  # median 1.00, a round behind
+            synthetic_row((1024, 1024, 1024), "forward", [1.0] * 3, [0.99, 0.99, 1.04]),  # median 0.99: noise
+            synthetic_row((128, 512, 256), "dW", [1.0] * 3, [0.9, 0.95, 0.99])]  # behind in every round
+    calls = {p: synthetic_row(peers.CALL_SHAPE, p, [0.1] * 3, [0.1] * 3) for p in peers.PRODUCTS}
+    lines = peers.summary_lines(rows, calls)
+    assert ("against the best peer, round by round: 1 of 4 products level or ahead in every round, 2 level within "
+            "noise (ahead in some rounds, behind in others), 1 behind in every round") in lines
+    (behind,) = [line for line in lines if line.startswith("behind the best peer in every round: ")]
+    assert "128x512->256 dW 0.95 (by round 0.90-0.99; OpenBLAS;" in behind and "dX" not in behind
+    (level,) = [line for line in lines if line.startswith("level with the best peer within noise: ")]
+    assert "128x512->256 dX 1.00 (by round 0.99-1.04;" in level
+    assert "1024x1024->1024 forward 0.99 (by round 0.99-1.04;" in level and "128x512->256 forward" not in level
+
+
+def test_a_product_misses_the_90_percent_goal_only_where_every_round_does():
+    flops = 2 * 128 * 256 * 256  # 128x256->256's forward: M, N = 128, 256, K = 256, the goal applies
+
+    def row(*gflops):
+        return synthetic_row((128, 256, 256), "forward", [flops / (g * 1e9) for g in gflops], [1.0] * 3)
+
+    rows = [row(91, 95, 90), row(89.1, 89.4, 90.0), row(80, 85, 89.9), replace(row(91, 91, 91), product="dX")]
+    calls = {p: synthetic_row(peers.CALL_SHAPE, p, [0.1] * 3, [0.1] * 3) for p in peers.PRODUCTS}
+    assert peers.summary_lines(rows, calls)[-1] == (
+        "2 of the 4 products with M, N >= 128 and K >= 256 at 90% of peak in every round, 1 within noise of it, "
+        "1 short of it in every round; within noise of 90%: 128x256->256 forward 89.4% (89.1%-90.0%); "
+        "short of 90%: 128x256->256 forward 85.0% (80.0%-89.9%)")
+    assert peers.summary_lines([synthetic_row((8, 16, 4), "dW", [1.0], [1.0])], calls)[-1] == (
+        "the 90% of peak goal applies to none of these products (none has M, N >= 128 and K >= 256)")
 
 
 @pytest.mark.parametrize("argv", [["--help"], [], ["mkl"]])
