@@ -266,7 +266,9 @@ def test_peers_mode_times_every_product_on_every_side_and_writes_markdown(tmp_pa
     assert [row.split(" | ")[1] for row in rows] == ["forward", "dX", "dW"]
     for row in rows:
         cells = row.strip("| ").split(" | ")
-        assert all(float(cells[index]) > 0 for index in range(4, 8))  # GFLOP/s of ext and the three peers
+        # GFLOP/s of ext and the three peers, whole numbers: this tiny product can read 0 on a loaded machine
+        assert all(float(cells[index]) >= 0 for index in range(4, 8)) and any(float(cells[index]) > 0 for index in
+                                                                               range(4, 8))
         assert cells[8] in ("torch", "OpenBLAS", "oneDNN")
         assert re.fullmatch(r"\d+\.\d% \(\d+\.\d%-\d+\.\d%\)", cells[11])  # % of peak, its range over rounds
     assert re.search(r"FMA peak read after each of ext's rounds: \d+-\d+ GFLOP/s, median \d+\)", text)
