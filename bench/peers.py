@@ -348,7 +348,6 @@ HEADER = ["shape (batch x in->out)", "product", "M x N x K", "ext ms", "ext GFLO
           "ext % of FMA peak (by round)"]
 
 
-
 def measure_product(workers, shape, product, threads, min_run_time_s, rounds):
     """One product of one shape on every library, the workers asked in an order that rotates each round."""
     per_round = {library: [] for library in LIBRARIES}

@@ -78,10 +78,9 @@ def _conv2d_backward_weight_flops(grad_output_shape, input_shape, weight_size, *
 
 
 def _pair(name, value):
-    if as_int(value) is not None:
-        return as_int(value), as_int(value)
-    if isinstance(value, (tuple, list)) and len(value) in (1, 2) and all(as_int(v) is not None for v in value):
-        return (as_int(value[0]), as_int(value[0])) if len(value) == 1 else tuple(as_int(v) for v in value)
+    ints = [as_int(v) for v in value] if isinstance(value, (tuple, list)) else [as_int(value)]
+    if len(ints) in (1, 2) and None not in ints:
+        return ints[0], ints[-1]
     raise TypeError(f"ext.conv2d: {name} must be an int or a pair of ints, got {value!r}")
 
 
