@@ -420,7 +420,8 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
                const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs, int64_t b_cs,
                const T* bias, bool relu, T* C, int64_t ldc, bool accumulate_c,
                const T* shared_packed_a = nullptr, const T* prepacked_b = nullptr,
-               const IndexedB<T>* indexed_b = nullptr, const T* row_bias = nullptr) {
+               const IndexedB<T>* indexed_b = nullptr, const T* row_bias = nullptr,
+               int64_t prefetch_columns_after = 0) {
   const int64_t MR = uk.mr, NR = uk.nr, KC = k_block_depth<T>(K);
   // When all the slab's rows fit in single_block_bytes (more of them when K is
   // shallower than KC: dW, K = batch), they make one A block, which lets B be
@@ -630,8 +631,23 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
           const int64_t row_tiles = (mc + MR - 1) / MR;
           for (int64_t jr = 0; jr < nc; jr += NR) {
             b_panel(jr, std::min(NR, nc - jr), copy_in_first_tiles && nc - jr >= NR);
-            const int64_t next_cols = std::min(NR, nc - jr - NR);
-            const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? kc : next_cols;
+            // The panel packed after this one: the next in this K block; after the last, the first of
+            // the next K block; after the slab's last, the first of the columns after it
+            // (prefetch_columns_after: the next chunk of a ColumnChunks). The last two, measured on
+            // Zen 4 (2 threads, dX 128x2048->1000, W's 8 MiB copied into panels on every call, one
+            // panel a chunk): see ext/README.md, "The next panel's source, across chunks".
+            const T* next_b = b_block + (jr + NR) * b_cs;
+            int64_t next_cols = std::min(NR, nc - jr - NR), next_kc = kc;
+            if (next_cols <= 0 && pc + kc < K) {
+              next_b = B + (pc + kc) * b_rs + jc * b_cs;
+              next_cols = std::min(NR, nc);
+              next_kc = std::min(KC, K - pc - kc);
+            } else if (next_cols <= 0 && jc + nc == n1 && prefetch_columns_after > 0) {
+              next_b = B + n1 * b_cs;
+              next_cols = std::min(NR, prefetch_columns_after);
+              next_kc = std::min(KC, K);
+            }
+            const int64_t next_runs = !prefetch_next_b || next_cols <= 0 ? 0 : b_cs == 1 ? next_kc : next_cols;
             // A one-vector panel (the last 16 columns of N = 256 or 784, or a narrow product) with A read
             // in place runs two row tiles at a time (Microkernel::tall_one_vector_tile): 2 MR sums, where
             // MR (8) keep two 512-bit FMAs a cycle of 4 cycles' latency busy only with no gap at all (alone
@@ -642,13 +658,13 @@ void gemm_slab(const Microkernel<T>& uk, int64_t mc_at_kc, int64_t single_block_
             // dX 128x784->256 0.992 and 0.979; after the many-rows tile (12x16), 1 thread: dX 512x784->256
             // 0.991, forward 512x256->10 0.943; the AVX2 path (forced, 1 thread) 0.997-1.015.
             const bool tall_one_vector = read_a_in_place && tile.cols <= uk.lanes && !row_bias && !indexed_b &&
-                                         !tile.b_copy && next_runs == 0;
+                                         !tile.b_copy;
             for (int64_t ir = 0, rows; ir < mc; ir += rows) {
               rows = tall_one_vector && ir + uk.tall_one_vector_rows <= mc ? uk.tall_one_vector_rows : MR;
-              if (next_runs > 0) {
-                const int64_t t = ir / MR;
-                prefetch_b_runs(b_block + (jr + NR) * b_cs, b_rs, b_cs, kc, next_cols, next_runs * t / row_tiles,
-                                next_runs * (t + 1) / row_tiles);
+              if (next_runs > 0) {  // this tile's share: its row tiles' of row_tiles
+                const int64_t t0 = ir / MR, t1 = std::min(row_tiles, (ir + rows + MR - 1) / MR);
+                prefetch_b_runs(next_b, b_rs, b_cs, next_kc, next_cols, next_runs * t0 / row_tiles,
+                                next_runs * t1 / row_tiles);
               }
               // Only tiles that load C (accumulate) prefetch the next one. A
               // first K block only stores C, and with a row stride of whole
@@ -742,11 +758,12 @@ void gemm_transposed(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, 
   });
 }
 
+// gemm, whose slab, where it is one, may prefetch B's `prefetch_columns_after` columns after N
+// (ColumnChunks: its next chunk's).
 template <typename T>
-void gemm(int64_t M, int64_t N, int64_t K,
-          const T* A, int64_t a_rs, int64_t a_cs,
-          const T* B, int64_t b_rs, int64_t b_cs,
-          const T* bias, bool relu, T* C, int64_t ldc, bool accumulate) {
+void gemm_prefetching(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* B,
+                      int64_t b_rs, int64_t b_cs, const T* bias, bool relu, T* C, int64_t ldc, bool accumulate,
+                      int64_t prefetch_columns_after) {
   if (M == 0 || N == 0) return;
   if (accumulate && bias) throw std::logic_error("ext::cpu::gemm: accumulate takes no bias");
   if (K == 0) return accumulate ? void() : fill_bias(M, N, bias, relu, C, ldc);
@@ -792,7 +809,8 @@ void gemm(int64_t M, int64_t N, int64_t K,
                              (M <= N || m_panels < threads || read_a_in_place);
   const int64_t slabs = std::min(threads, split_columns ? n_panels : m_panels);
   if (slabs == 1)
-    return gemm_slab(uk, MC, single_bytes, 0, M, 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias, relu, C, ldc, accumulate);
+    return gemm_slab<T>(uk, MC, single_bytes, 0, M, 0, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias, relu, C, ldc,
+                        accumulate, nullptr, nullptr, nullptr, nullptr, prefetch_columns_after);
   if (!split_columns) {
     at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
       for (int64_t slab = first; slab < last; ++slab)
@@ -836,6 +854,12 @@ void gemm(int64_t M, int64_t N, int64_t K,
     for (int64_t slab = first; slab < last; ++slab)
       for (int64_t i = 0; i < slabs; ++i) slab_panels[(slab + i) % slabs].run();
   });
+}
+
+template <typename T>
+void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t b_rs,
+          int64_t b_cs, const T* bias, bool relu, T* C, int64_t ldc, bool accumulate) {
+  gemm_prefetching(M, N, K, A, a_rs, a_cs, B, b_rs, b_cs, bias, relu, C, ldc, accumulate, 0);
 }
 
 template <typename T>
@@ -919,13 +943,15 @@ template <typename T>
 void ColumnChunks<T>::run() {
   for (int64_t chunk; (chunk = next_chunk_.fetch_add(1)) < chunks_;) {
     const int64_t n0 = chunk * chunk_columns_, n1 = std::min(N_, n0 + chunk_columns_);
+    const int64_t next_chunk_columns = std::min(chunk_columns_, N_ - n1);  // most likely this thread's next
     if (share_packed_a_) {
       // The tile of the whole product, so that A's panels are those packed for it.
       gemm_slab<T>(microkernel_for<T>(M_, N_), block_rows(g_active_path), single_block_bytes(g_active_path), 0, M_,
-                   n0, n1, K_, A_, a_rs_, a_cs_, B_, b_rs_, b_cs_, bias_, relu_, C_, ldc_, accumulate_, packed_a());
+                   n0, n1, K_, A_, a_rs_, a_cs_, B_, b_rs_, b_cs_, bias_, relu_, C_, ldc_, accumulate_, packed_a(),
+                   nullptr, nullptr, nullptr, next_chunk_columns);
     } else {
-      gemm<T>(M_, n1 - n0, K_, A_, a_rs_, a_cs_, B_ + n0 * b_cs_, b_rs_, b_cs_, bias_ ? bias_ + n0 : nullptr, relu_,
-              C_ + n0, ldc_, accumulate_);
+      gemm_prefetching<T>(M_, n1 - n0, K_, A_, a_rs_, a_cs_, B_ + n0 * b_cs_, b_rs_, b_cs_,
+                          bias_ ? bias_ + n0 : nullptr, relu_, C_ + n0, ldc_, accumulate_, next_chunk_columns);
     }
   }
 }
