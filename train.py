@@ -66,6 +66,12 @@ def non_finite_loss(step, loss, loss_sum):
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     run_dir = HydraConfig.get().runtime.output_dir
+    with checkpoint.terminate_as_interrupt():
+        return run_job(cfg, run_dir)
+
+
+def run_job(cfg, run_dir):
+    """main's work: the run, or a checkpoint's evaluation; its objective, or None where it failed."""
     try:
         validate(cfg)
         torch.set_num_threads(threads_per_process(cfg.trainer.threads))
@@ -82,8 +88,8 @@ def main(cfg: DictConfig) -> float:
         return summary.read_run_summary(run_dir)[cfg.trainer.objective]  # what hydra/sweeper=optuna optimises
     except ConfigError as error:
         return job_failed(str(error), 2, run_dir)
-    except KeyboardInterrupt:
-        sys.exit(130)  # fit has said what was kept and how to resume; Ctrl-C stops a whole sweep too
+    except KeyboardInterrupt as stop:  # fit has said what was kept and how to resume; it stops a whole sweep too
+        sys.exit(143 if isinstance(stop, checkpoint.Terminated) else 130)
     except Exception as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -1,8 +1,9 @@
-"""Never lose a run: killed (SIGKILL, Ctrl-C) at any moment and resumed, a run ends exactly like one left
+"""Never lose a run: killed (SIGKILL, SIGTERM, Ctrl-C) at any moment and resumed, a run ends exactly like one left
 alone; checkpoints are atomic, move between linear=custom and linear=torch, and evaluate on their own."""
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,19 +59,21 @@ def disk_full(original, state, file):
     file.write(b"half a checkpoint")
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-class InterruptedWrites:  # a file whose second write gets a SIGINT: Ctrl-C in the middle of torch.save
-    def __init__(self, file):
-        self.file, self.writes = file, 0
+class InterruptedWrites:  # a file whose second write gets a signal: Ctrl-C (or kill) in the middle of torch.save
+    def __init__(self, file, signal_number):
+        self.file, self.writes, self.signal_number = file, 0, signal_number
     def write(self, data):
         self.writes += 1
         if self.writes == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), self.signal_number)
         return self.file.write(data)
     def flush(self):
         return self.file.flush()
 
-def sigint_mid_save(original, state, file):
-    return original(state, InterruptedWrites(file))
+def mid_save(signal_number):
+    def action(original, state, file):
+        return original(state, InterruptedWrites(file, signal_number))
+    return action
 
 def nan_loss(original, *args, **kwargs):
     return original(*args, **kwargs) * float("nan")
@@ -79,8 +82,12 @@ if event == "sigkill-in-step":
     hook(torch.Tensor, "backward", kill(signal.SIGKILL))
 elif event == "sigint-in-step":
     hook(torch.Tensor, "backward", kill(signal.SIGINT))
+elif event == "sigterm-in-step":
+    hook(torch.Tensor, "backward", kill(signal.SIGTERM))
 elif event == "sigint-in-save":
-    hook(torch, "save", sigint_mid_save)
+    hook(torch, "save", mid_save(signal.SIGINT))
+elif event == "sigterm-in-save":
+    hook(torch, "save", mid_save(signal.SIGTERM))
 elif event == "sigkill-before-rename":
     hook(os, "replace", kill(signal.SIGKILL), counts=lambda source, target: str(target).endswith("last.pt"))
 elif event == "disk-full":
@@ -198,13 +205,56 @@ def test_ctrl_c_keeps_the_last_epoch_and_prints_the_command_that_resumes(tmp_pat
     assert_same_run(run_dir, reference)
 
 
-def test_ctrl_c_during_a_save_finishes_it_then_stops(tmp_path):
+@pytest.mark.parametrize("signal_name, exit_code", [("sigint", 130), ("sigterm", 143)])
+def test_ctrl_c_or_sigterm_during_a_save_finishes_it_then_stops(tmp_path, signal_name, exit_code):
     run_dir = tmp_path / "run"
-    stopped = train_command([*RUN, f"hydra.run.dir={run_dir}"], tmp_path, hooked=("sigint-in-save", 2))
-    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    stopped = train_command([*RUN, f"hydra.run.dir={run_dir}"], tmp_path, hooked=(f"{signal_name}-in-save", 2))
+    assert stopped.returncode == exit_code, stopped.stderr[-2000:]
     assert torch.load(run_dir / "last.pt", weights_only=True)["epoch"] == 2  # the save it interrupted
     assert "resume with: " in stopped.stdout and not error_lines(stopped)
     assert not (run_dir / "last.pt.tmp").exists()
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_says_so(tmp_path, reference):
+    # kill, timeout or a container stopping: the default would end the process without a word
+    run_dir = tmp_path / "run"
+    stopped = train_command([*RUN, f"hydra.run.dir={run_dir}"], tmp_path, hooked=("sigterm-in-step", STEPS_PER_EPOCH + 5))
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert torch.load(run_dir / "last.pt", weights_only=True)["epoch"] == 1
+    (command,) = re.findall(r"stopped by SIGTERM: .* resume with: (.*)", stopped.stdout)
+    assert "stopped by SIGTERM" in (run_dir / "train.log").read_text() and not error_lines(stopped)
+    resumed = train_command(shlex.split(command)[2:], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_run(run_dir, reference)
+
+
+def test_sigterm_before_the_first_epoch_leaves_a_folder_that_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = train_command([*RUN, f"hydra.run.dir={run_dir}"], tmp_path, hooked=("sigterm-in-step", 3))
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert summary.job_error(run_dir) == logs.NOT_STARTED_BY_SIGTERM
+    assert "stopped by SIGTERM before the first epoch ended" in stopped.stdout
+
+
+def test_sigterm_is_left_to_a_launcher_that_handles_it():
+    # submitit's jobs (SLURM, local) install their own SIGTERM handler before the job runs
+    def launcher_handler(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, launcher_handler)
+    try:
+        with checkpoint.terminate_as_interrupt():
+            assert signal.getsignal(signal.SIGTERM) is launcher_handler
+            with checkpoint.interrupts_deferred():  # a save defers only Ctrl-C then
+                assert signal.getsignal(signal.SIGTERM) is launcher_handler
+        assert signal.getsignal(signal.SIGTERM) is launcher_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with checkpoint.terminate_as_interrupt():  # the default: taken as an interrupt, and given back after
+        with pytest.raises(checkpoint.Terminated):  # called, not sent: were it not installed, pytest would die
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_best_checkpoint_is_the_epoch_with_the_best_val_acc(reference):

@@ -107,9 +107,35 @@ def restore(state, path, model, optimizer, scheduler, scaler, loader_generator):
     restore_rng(state["rng"], loader_generator)
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM (kill, timeout, a container stopping), taken as a Ctrl-C: the run stops where it is, says
+    what it kept and how to resume, and exits with 143 (128 + 15, as a shell reports a SIGTERM)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextmanager
+def terminate_as_interrupt():
+    """Within the block a SIGTERM raises Terminated in the main thread, where by default it ends the
+    process at once, without a word. Left as it is off the main thread, and where a launcher handles
+    SIGTERM itself (submitit's jobs, on SLURM or local)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def interrupts_deferred():
-    """Ctrl-C during the block takes effect when it ends, as a KeyboardInterrupt.
+    """Ctrl-C during the block takes effect when it ends, as a KeyboardInterrupt; so does a SIGTERM that
+    terminate_as_interrupt turns into one, as Terminated.
 
     Raised inside torch.save, the interrupt would unwind through its zip writer, whose own error
     ("unexpected pos") replaces it: the run would end with that error and no resume command. A save
@@ -119,11 +145,17 @@ def interrupts_deferred():
         yield
         return
     received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    deferred = [signal.SIGINT]
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+        deferred.append(signal.SIGTERM)
+    previous = {number: signal.signal(number, lambda signum, frame: received.append(signum)) for number in deferred}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if signal.SIGTERM in received:
+        raise Terminated
     if received:
         raise KeyboardInterrupt
 

@@ -17,6 +17,7 @@ log = logging.getLogger("train")
 file_log = logging.getLogger("train.file")  # train.log only, not the terminal
 file_log.propagate = False
 NOT_STARTED = "stopped (Ctrl-C) before the first epoch ended: nothing was trained"
+NOT_STARTED_BY_SIGTERM = NOT_STARTED.replace("Ctrl-C", "SIGTERM")
 EARLIER_RUNS = "earlier"  # where a new run in a used folder puts the earlier run's results
 
 
@@ -175,15 +176,19 @@ def logging_to(path):
 
 @contextmanager
 def reporting_interrupts(run_dir):
-    """On Ctrl-C, say what was kept and the command that resumes, then let the interrupt end the run. A run
-    stopped before its first epoch ended leaves failed.txt saying so: its folder holds no training."""
+    """On Ctrl-C (or a SIGTERM, checkpoint.Terminated), say what was kept and the command that resumes, then
+    let the interrupt end the run. A run stopped before its first epoch ended leaves failed.txt saying so: its
+    folder holds no training."""
     try:
         yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, checkpoint.Terminated)
+        stopped = "stopped by SIGTERM" if terminated else "stopped"
         if (run_dir / checkpoint.LAST_NAME).is_file():
-            log.info(f"stopped: {run_dir / checkpoint.LAST_NAME} keeps the last complete epoch; "
+            log.info(f"{stopped}: {run_dir / checkpoint.LAST_NAME} keeps the last complete epoch; "
                      f"resume with: {checkpoint.resume_command(run_dir)}")
         else:  # the folder holds no training: marked so, for the user and the sweep summary
-            summary.write_job_failure(run_dir, NOT_STARTED)
-            log.info(f"stopped before the first epoch ended: nothing to resume ({summary.JOB_FAILURE_NAME} says so)")
+            summary.write_job_failure(run_dir, NOT_STARTED_BY_SIGTERM if terminated else NOT_STARTED)
+            log.info(f"{stopped} before the first epoch ended: nothing to resume "
+                     f"({summary.JOB_FAILURE_NAME} says so)")
         raise
