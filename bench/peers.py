@@ -27,7 +27,8 @@ Each side's call alone is timed too, as the products of a 1x1->1 layer, and a pr
 peer in every round is compared again net of each side's call, with the range the rounds' extremes allow: for
 a product of a few microseconds, how fast each side computes. The summary counts a product behind its peer (or
 short of 90% of peak) only where every round is, ahead (or at 90%) only where every round is, and else within
-noise. A library missing or unusable ends the run with one line naming it (PeerUnavailable).
+noise. A library missing or unusable ends the run with one line naming it (PeerUnavailable); so does a side
+failing or killed mid-run, naming the product.
 """
 from __future__ import annotations
 
@@ -237,7 +238,11 @@ def worker_main(library):
         report_unusable(f"{first_line(error)}: {WHAT_TO_DO[library]}")
     print(json.dumps({"description": worker.description}), flush=True)
     for line in sys.stdin:
-        print(json.dumps(worker.answer(json.loads(line))), flush=True)
+        try:
+            answer = worker.answer(json.loads(line))
+        except Exception as error:  # mid-run (out of memory on a large shape, say): one line for the parent
+            report_unusable(first_line(error))
+        print(json.dumps(answer), flush=True)
 
 
 def report_unusable(message):
@@ -253,6 +258,7 @@ class PeerUnavailable(RuntimeError):
 
 class WorkerProcess:
     def __init__(self, library):
+        self.label = LABELS[library]
         env = dict(os.environ)
         if library == "openblas":
             for name in OPENBLAS_SLOWING_VARIABLES:
@@ -271,19 +277,35 @@ class WorkerProcess:
         self.description = first["description"]
 
     def ask(self, **request):
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self.receive()
+        """The worker's answer to `request`; PeerUnavailable, naming the library and the product, where it
+        failed (the tables finished before stay printed, and written with --markdown)."""
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it has ended: receive says how
+            pass
+        answer = self.receive()
+        if "error" in answer:
+            batch, fan_in, fan_out = request["shape"]
+            raise PeerUnavailable(f"--peers: its {self.label} side failed on {batch}x{fan_in}->{fan_out}'s "
+                                  f"{request['product']} ({request['threads']} threads): {answer['error']}")
+        return answer
 
     def receive(self):
         line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a benchmark worker ended early (exit {self.process.wait()}); its error is above")
+        if not line:  # killed (the OOM killer, say) or crashed, without a word for us
+            code = self.process.wait()
+            how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+            raise PeerUnavailable(f"--peers: its {self.label} side's process ended early ({how}); "
+                                  "what it printed, if anything, is above")
         return json.loads(line)
 
     def close(self):
         """Ends the worker: it sees the end of its input once it has answered what it was asked."""
-        self.process.stdin.close()
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:  # it has ended already
+            pass
         self.process.wait()
 
 

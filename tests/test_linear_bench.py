@@ -406,6 +406,24 @@ def test_the_parent_raises_the_workers_error_naming_its_library(tmp_path, monkey
         peers.WorkerProcess("openblas")
 
 
+def test_a_worker_failing_mid_run_ends_the_run_in_one_line_naming_its_library_and_product():
+    # a product a library fails on once the run is under way (out of memory on a large shape, say)
+    worker = peers.WorkerProcess("ext")
+    try:
+        with pytest.raises(peers.PeerUnavailable, match=r"^--peers: its ext side failed on 2x3->4's bogus "
+                                                        r"\(1 threads\): KeyError: 'bogus'$"):
+            worker.ask(threads=1, shape=[2, 3, 4], product="bogus", min_run_time=0.01)
+    finally:
+        worker.close()
+    worker = peers.WorkerProcess("ext")  # killed without a word (the OOM killer, say)
+    worker.process.kill()
+    worker.process.wait()
+    with pytest.raises(peers.PeerUnavailable, match=r"^--peers: its ext side's process ended early \(killed by "
+                                                    r"signal 9\); what it printed, if anything, is above$"):
+        worker.ask(threads=1, shape=[2, 3, 4], product="forward", min_run_time=0.01)
+    worker.close()
+
+
 def test_a_onednn_that_cannot_compute_is_found_when_its_worker_starts(monkeypatch):
     def unusable(self):
         raise RuntimeError("mkldnn: unsupported CPU\nmore detail")
