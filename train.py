@@ -64,9 +64,14 @@ def non_finite_loss(step, loss, loss_sum):
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-@checkpoint.terminate_as_interrupt()  # a SIGTERM stops the run as Ctrl-C does
 def main(cfg: DictConfig) -> float:
     run_dir = HydraConfig.get().runtime.output_dir
+    with checkpoint.terminate_as_interrupt():
+        return run_job(cfg, run_dir)
+
+
+def run_job(cfg, run_dir):
+    """main's work: the run, or a checkpoint's evaluation; its objective, or None where it failed."""
     try:
         validate(cfg)
         torch.set_num_threads(threads_per_process(cfg.trainer.threads))
