@@ -66,6 +66,7 @@ def non_finite_loss(step, loss, loss_sum):
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     run_dir = HydraConfig.get().runtime.output_dir
+    # a with, not a decorator: joblib and submitit pickle main, and a decorator's context manager holds a generator
     with checkpoint.terminate_as_interrupt():
         return run_job(cfg, run_dir)
 
