@@ -102,6 +102,20 @@ def test_torchrun_on_two_nodes_meeting_at_a_master_address_reaches_the_single_pr
         torch.testing.assert_close(distributed[key], single[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_the_task_function_pickles_by_value_as_joblib_and_submitit_send_it():
+    # Run as a script, train.py is __main__, so joblib's workers and submitit's jobs get main pickled by
+    # value with cloudpickle, closures and all: main under a context manager's decorator held a generator,
+    # and every joblib and SLURM sweep failed before its first job
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(train)
+    try:
+        task = cloudpickle.loads(cloudpickle.dumps(train.main.__wrapped__))
+    finally:
+        cloudpickle.unregister_pickle_by_value(train)
+    assert task.__name__ == "main" and task is not train.main.__wrapped__
+
+
 def test_joblib_sweep_runs_jobs_in_parallel_on_shared_cores_and_summarizes(tmp_path):
     # a fresh extension cache: the parent builds once, before the jobs start; the jobs only load it
     result = run(
