@@ -39,7 +39,7 @@ from trainer.distributed import (join_process_group, step_batch_size, summed_ove
                                  torchrun_arguments, world)
 from trainer.logs import (describe, describe_data, file_log, log, logging_to, reporting_interrupts,
                           set_aside_earlier_run, tensorboard_writer, write_hparams, write_scalars)
-from trainer.timing import StepClock, mean_interval, timed_steps
+from trainer.timing import StepClock, mean_interval, synchronize, timed_steps
 
 PROGRESS_EVERY_STEPS = 20  # the progress bar reads the loss (a device sync) only this often
 
@@ -257,12 +257,6 @@ def fit(cfg, run_dir):
             summary.write_run_summary(run_dir, history, num_params, step_times_s, flop_share, warmup_epochs,
                                       conv_share, device.type, settings.autocast_dtype)
     return val_acc
-
-
-def synchronize(device):
-    """Wait for queued GPU work, so wall-clock times measure the work and not just its launch."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass

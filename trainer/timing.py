@@ -35,6 +35,12 @@ MIN_TIMED_STEPS = 20
 SEQUENTIAL_NOISE = 1.25  # identical runs one after the other read up to this far apart (either way)
 
 
+def synchronize(device):
+    """Wait for queued GPU work, so wall-clock times measure the work and not just its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StepClock:
     """Marks the end of each training step; `durations_s()` at the end of the epoch gives every step's time.
 
