@@ -39,7 +39,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as `python bench/linear.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ext  # noqa: E402
-from bench import peers  # noqa: E402
+from bench import peers, stats  # noqa: E402
 from bench.machine import (command_line, describe_cpu, markdown_path, positive_int, positive_seconds,  # noqa: E402
                            run_tool, thread_count, usable_cpus, write_markdown)
 from trainer import memory  # noqa: E402
@@ -78,11 +78,22 @@ class Row:
     threads: str
     shape: tuple[int, int, int]
     pass_name: str
-    torch_s: float
-    ext_s: float
+    torch_rounds: tuple[float, ...]  # torch's median time in each round
+    ext_rounds: tuple[float, ...]
     peak_gflops: float | None
-    round_ratios: tuple[float, ...]  # torch/ext of each round's medians
     faults_per_call: tuple[float, float] = (0.0, 0.0)  # torch's and ext's page faults per timed call
+
+    @property
+    def torch_s(self) -> float:
+        return statistics.median(self.torch_rounds)
+
+    @property
+    def ext_s(self) -> float:
+        return statistics.median(self.ext_rounds)
+
+    @property
+    def round_ratios(self) -> tuple[float, ...]:
+        return tuple(t / e for t, e in zip(self.torch_rounds, self.ext_rounds))
 
     @property
     def flops(self) -> float:
@@ -166,11 +177,8 @@ def compare(pass_name, shape, device, threads_label, peak_gflops, torch_rounds, 
             faults_per_call=(0.0, 0.0)) -> Row:
     """A row from each side's block times per round. A side's time is the median of its round medians, so
     the ratio of the two always lies within the range of the rounds' own ratios."""
-    torch_medians = [statistics.median(times) for times in torch_rounds]
-    ext_medians = [statistics.median(times) for times in ext_rounds]
-    round_ratios = tuple(t / e for t, e in zip(torch_medians, ext_medians))
-    return Row(device, threads_label, shape, pass_name, statistics.median(torch_medians),
-               statistics.median(ext_medians), peak_gflops, round_ratios, tuple(faults_per_call))
+    return Row(device, threads_label, shape, pass_name, tuple(statistics.median(times) for times in torch_rounds),
+               tuple(statistics.median(times) for times in ext_rounds), peak_gflops, tuple(faults_per_call))
 
 
 def fault_notes(rows: list[Row]) -> list[str]:
@@ -209,16 +217,9 @@ def bench_shape(shape, device, threads_label, min_run_time_s, rounds, products=F
     return rows
 
 
-def geomean(values) -> float:
-    values = list(values)
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def geomean_text(rows: list[Row]) -> str:
-    """The geometric mean of the rows' ratios, and the lowest and highest geometric mean of one round's
-    ratios (round r of every row): what a single round would have reported."""
-    per_round = [geomean(ratios) for ratios in zip(*(r.round_ratios for r in rows))]
-    return f"{geomean(r.ratio for r in rows):.2f} (by round {ratio_range(per_round)})"
+    """The geometric mean of the rows' torch/ext, with its 95% interval over the rounds (bench/stats.py)."""
+    return stats.geomean_text([([r.torch_rounds], r.ext_rounds) for r in rows])
 
 
 def summary_lines(rows: list[Row]) -> list[str]:

@@ -19,7 +19,8 @@ Each library runs in a worker process of its own, because a library's idle threa
 process with another, a side ran at a third of its speed. The parent asks the workers in turn, one at a time,
 in an order that rotates each round, and pauses between them (PAUSE_S) so that the last one's spinning
 threads have gone to sleep. A side's time is the median of its rounds' medians; ext/best is the best peer's
-time over ext's (above 1: ext is faster), with its range over the rounds. % of peak is ext's share of the
+time over ext's (above 1: ext is faster), with its range over the rounds, and their geomean over the products
+with a 95% interval (bench/stats.py). % of peak is ext's share of the
 FMA peak ext measures on this machine, read by ext's worker right after each of its rounds: each round's time
 against the reading of the same moment, the median over rounds with its range. A shared machine's slow
 moments then slow both, rather than a product timed in one counting against a peak read in another.
@@ -400,11 +401,6 @@ def measure(workers, shapes, threads, min_run_time_s, rounds, progress=print):
     return rows, calls
 
 
-def geomean(values):
-    values = list(values)
-    return math.exp(sum(map(math.log, values)) / len(values))
-
-
 def net_seconds(row, calls, side):
     """A side's product time less its call alone: from their medians, and the least and the most the rounds
     allow (its fastest round of the product less its slowest of the call, and the reverse). The call is timed
@@ -440,14 +436,16 @@ def against_line(low, high, line):
 
 
 def summary_lines(rows, calls):
-    """The geomean of ext/best with its range over rounds, each side's call alone, how many products are ahead
+    """The geomean of ext/best with its interval over rounds, each side's call alone, how many products are ahead
     of their best peer, level within noise and behind, round by round (those not ahead listed, with the
     ratio net of the calls), and the products the 90% of peak goal applies to that are not at 90% in every
     round."""
-    per_round = [geomean(ratios) for ratios in zip(*(row.round_ratios for row in rows))]
+    from bench import stats  # numpy and torch: the parent's, not imported where an OpenBLAS worker runs
+
     lowest = min(rows, key=lambda row: row.ratio)
-    lines = [f"geomean ext/best peer over {len(rows)} products: {geomean(row.ratio for row in rows):.2f} "
-             f"(by round {min(per_round):.2f}-{max(per_round):.2f}); lowest {lowest.ratio:.2f} "
+    headline = stats.geomean_text([([row.round_seconds[peer] for peer in PEERS], row.round_seconds["ext"])
+                                   for row in rows])
+    lines = [f"geomean ext/best peer over {len(rows)} products: {headline}; lowest {lowest.ratio:.2f} "
              f"({lowest.cells()[0]} {lowest.product}, best peer {LABELS[lowest.best_peer]})"]
     lines.append("the call alone (a 1x1->1 product; µs per call, forward / dX / dW): " + "; ".join(
         f"{LABELS[library]} " + " / ".join(f"{calls[product].seconds[library] * 1e6:.1f}" for product in PRODUCTS)

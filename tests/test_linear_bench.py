@@ -108,14 +108,38 @@ def test_ratio_is_the_median_round_and_lies_within_the_rounds():
     assert "1.25-2.00" in row.cells()
 
 
-def test_geomeans_come_with_their_range_over_rounds():
-    torch_rounds = [[4.0], [4.0], [4.0]]
+def interval_of(text):
+    value, low, high = map(float, re.fullmatch(r"(\S+) \(95% interval (\S+)-(\S+)\)", text).groups())
+    return value, low, high
+
+
+def test_a_geomean_comes_with_an_interval_that_holds_it_where_single_rounds_do_not():
+    # Each shape's ratio is 2 (its median round), each from a different round: every single round's geomean over
+    # the three is (1 * 2 * 2)^(1/3) = 1.59, which the tables' "by round" range once printed beside a 2.00.
+    torch_rounds = [[2.0], [2.0], [2.0]]
     rows = [bench_linear.compare("fwd+bwd", shape, "cpu", "1", None, torch_rounds, ext_rounds)
-            for shape, ext_rounds in (((128, 784, 256), [[4.0], [2.0], [2.0]]),      # rounds 1, 2, 2
-                                      ((1024, 1024, 1024), [[1.0], [4.0], [2.0]]))]  # rounds 4, 1, 2
-    # both ratios are 2; one round's geomean over the two shapes is 2, 1.41 or 2
-    assert bench_linear.summary_lines(rows) == [
-        "geomean torch/ext, fwd+bwd: all shapes 2.00 (by round 1.41-2.00), MLP shapes 2.00 (by round 1.00-2.00)"]
+            for shape, ext_rounds in (((128, 784, 256), [[2.0], [1.0], [1.0]]),
+                                      ((128, 256, 256), [[1.0], [1.0], [2.0]]),
+                                      ((1024, 1024, 1024), [[1.0], [2.0], [1.0]]))]
+    value, low, high = interval_of(bench_linear.geomean_text(rows))
+    assert value == 2.0 and low < 1.6 and high == 2.0  # a resample can take the slow round of every shape
+    [line] = bench_linear.summary_lines(rows)
+    assert line.startswith("geomean torch/ext, fwd+bwd: all shapes 2.00 (95% interval ")
+    assert ", MLP shapes 2.00 (95% interval " in line  # the first two shapes
+    # the same run's headline twice: the interval is seeded, so a table reads the same when printed again
+    assert bench_linear.geomean_text(rows) == bench_linear.geomean_text(rows)
+
+
+def test_the_interval_narrows_with_steady_rounds_and_is_refused_from_too_few():
+    steady = bench_linear.compare("forward", (8, 12, 5), "cpu", "1", None, [[3.0]] * 5, [[1.0], [1.1], [1.0], [0.9],
+                                                                                      [1.0]])
+    noisy = bench_linear.compare("forward", (8, 12, 5), "cpu", "1", None, [[3.0]] * 5, [[1.0], [2.0], [1.0], [0.5],
+                                                                                     [1.5]])
+    _, steady_low, steady_high = interval_of(bench_linear.geomean_text([steady]))
+    _, noisy_low, noisy_high = interval_of(bench_linear.geomean_text([noisy]))
+    assert steady_low <= 3.0 <= steady_high and noisy_high - noisy_low > 2 * (steady_high - steady_low)
+    two = bench_linear.compare("forward", (8, 12, 5), "cpu", "1", None, [[3.0]] * 2, [[1.0], [1.5]])
+    assert bench_linear.geomean_text([steady, two]) == "2.68 (2 rounds: too few for an interval)"  # (3 * 2.4)^0.5
 
 
 @pytest.mark.skipif(memory.resource is None, reason="page faults are counted through the resource module (Unix)")
@@ -229,6 +253,20 @@ def test_a_peer_row_compares_ext_with_the_fastest_peer_round_by_round():
     assert peers.gemm_dims((128, 512, 256), "dX") == (128, 512, 256) and row.peak_goal_applies
     dw = peers.PeerRow((64, 256, 128), "dW", row.seconds, seconds, [100.0] * 3)
     assert peers.gemm_dims((64, 256, 128), "dW") == (128, 256, 64) and not dw.peak_goal_applies  # K = batch 64
+
+
+def test_the_peers_headline_resamples_which_peer_is_fastest_too():
+    """OpenBLAS is slow in rounds 2 and 3 (its median 3.0) but fast in round 1: torch is the best peer by median
+    (1.2x), and a resample that draws round 1 twice makes OpenBLAS the best (0.5x). The interval holds both."""
+    def row(shape, seconds):
+        return peers.PeerRow(shape, "dX", {side: statistics.median(t) for side, t in seconds.items()}, seconds,
+                             [100.0] * 3)
+
+    seconds = {"ext": [1.0] * 3, "torch": [1.2] * 3, "openblas": [0.5, 3.0, 3.0], "onednn": [9.0] * 3}
+    calls = {product: row(peers.CALL_SHAPE, {side: [1e-6] * 3 for side in seconds}) for product in peers.PRODUCTS}
+    lines = peers.summary_lines([row((128, 512, 256), seconds)], calls)
+    assert lines[0] == ("geomean ext/best peer over 1 products: 1.20 (95% interval 0.50-1.20); lowest 1.20 "
+                        "(128x512->256 dX, best peer torch)")
 
 
 def test_the_share_of_peak_is_each_rounds_time_against_the_peak_read_in_the_same_moment():
@@ -500,7 +538,7 @@ def test_cuda_tables_time_the_named_shapes_alone(monkeypatch, capsys):
 
     def fake_bench_shape(shape, device, threads_label, min_run_time_s, rounds, products, dtype):
         timed.append((shape, dtype))
-        return [bench_linear.Row(device, threads_label, shape, p, 2e-3, 1e-3, None, (2.0, 2.0)) for p in ("forward",)]
+        return [bench_linear.Row(device, threads_label, shape, p, (2e-3, 2e-3), (1e-3, 1e-3), None) for p in ("forward",)]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Stand-in GPU")
@@ -514,7 +552,7 @@ def test_cuda_tables_time_the_named_shapes_alone(monkeypatch, capsys):
 
 def cuda_row(pass_name, ratios, shape=(4096, 4096, 4096)):
     ratio = sorted(ratios)[len(ratios) // 2]
-    return bench_linear.Row("cuda", "-", shape, pass_name, ratio * 1e-3, 1e-3, None, tuple(ratios))
+    return bench_linear.Row("cuda", "-", shape, pass_name, tuple(r * 1e-3 for r in ratios), (1e-3,) * len(ratios), None)
 
 
 @pytest.mark.parametrize("ratios,verdict", [((0.85, 0.9, 0.82), "met"), ((0.5, 0.6, 0.55), "not met"),

@@ -99,7 +99,7 @@ def test_bench_conv_times_each_pass_and_names_the_cpu(capsys, tmp_path):
     assert describe_cpu() in markdown and markdown.startswith("`python -m bench.conv --threads 1")
     for shape in ("8->16@6k3s1", "4->8@5k1s2"):
         assert all(f"| {shape} | {p} |" in markdown for p in ("forward", "backward", "fwd+bwd"))
-    assert re.search(r"geomean torch/ext, fwd\+bwd: [\d.]+ \(by round [\d.]+-[\d.]+\); lowest [\d.]+", shown)
+    assert re.search(r"geomean torch/ext, fwd\+bwd: [\d.]+ \(2 rounds: too few for an interval\); lowest [\d.]+", shown)
     assert bench_conv.flops(bench_conv.ConvShape(8, 16, 6, 3, 1), 2, "forward") == 2 * 2 * 16 * 36 * 8 * 9
     with pytest.raises(SystemExit):
         bench_conv.main(["--shapes", "8->16@32"])  # malformed: one line from the parser
@@ -109,8 +109,8 @@ def test_bench_conv_notes_the_rows_where_a_side_page_faulted():
     from bench import conv as bench_conv
     from bench.linear import Row
     shape = bench_conv.ConvShape(64, 64, 32, 3, 1)
-    quiet = Row("cpu", "", (0, 0, 0), "forward", 1e-3, 1e-3, None, (1.0,), (0.0, 0.5))
-    faulting = Row("cpu", "", (0, 0, 0), "backward", 1e-3, 1e-3, None, (1.0,), (30_723.75, 0.0))
+    quiet = Row("cpu", "", (0, 0, 0), "forward", (1e-3,), (1e-3,), None, (0.0, 0.5))
+    faulting = Row("cpu", "", (0, 0, 0), "backward", (1e-3,), (1e-3,), None, (30_723.75, 0.0))
     notes = bench_conv.fault_notes([(shape, "forward", quiet), (shape, "backward", faulting)])
     assert notes == ["note: 64->64@32k3s1 backward: page faults per call: torch 30,724 (bench/README.md, Memory)"]
 
@@ -120,9 +120,9 @@ def test_bench_conv_says_when_ext_passes_the_peak_by_skipping_the_padding(capsys
     from bench.linear import Row
     shape = bench_conv.ConvShape(512, 512, 4, 3, 1)
     flops = bench_conv.flops(shape, 128, "forward")  # 9.66e9: at 100 GFLOP/s of peak, 0.0966 s
-    slow = [(shape, p, Row("cpu", "", (0, 0, 0), p, 1.0, 1.0, None, (1.0,))) for p in ("backward", "fwd+bwd")]
+    slow = [(shape, p, Row("cpu", "", (0, 0, 0), p, (1.0,), (1.0,), None)) for p in ("backward", "fwd+bwd")]
     for ext_s, noted in ((0.09, True), (0.1, False)):
-        row = Row("cpu", "", (0, 0, 0), "forward", 0.12, ext_s, None, (1.2,))
+        row = Row("cpu", "", (0, 0, 0), "forward", (0.12,), (ext_s,), None)
         lines = bench_conv.table_lines("### t", [(shape, "forward", row)] + slow, 128, flops / 0.0966 / 1e9)
         assert any("so its share of the peak can pass 100%" in line for line in lines) == noted
 
